@@ -1,0 +1,5 @@
+import gem_kernels
+
+
+def test_imports():
+    assert gem_kernels.__version__

@@ -1,0 +1,5 @@
+import gem_model
+
+
+def test_imports():
+    assert gem_model.__version__

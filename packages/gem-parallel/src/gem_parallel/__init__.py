@@ -1,0 +1,3 @@
+"""gem_parallel."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""gem_precision."""
+
+__version__ = "0.1.0"
