@@ -1,0 +1,224 @@
+"""The typed training batch: dense features, a KeyedJaggedTensor of pooled ids, jagged behaviour sequences.
+
+Jagged convention (shared with gem_kernels): flat ``values`` of ``total`` rows, ``offsets`` ``[B+1]`` int64
+with ``offsets[0] == 0`` and sample ``b`` owning rows ``offsets[b]:offsets[b+1]``, plus a host ``max_len`` so
+that no kernel needs a device sync to learn shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from gem_model.features import FeatureSpec
+
+__all__ = ["GemBatch", "JaggedSequence"]
+
+
+def _err(field: str, msg: str) -> ValueError:
+    return ValueError(f"GemBatch.{field}: {msg}")
+
+
+def _check_offsets(field: str, offsets: Tensor, batch_size: int, total: int) -> Tensor:
+    """Checks a ``[B+1]`` int64 offsets tensor; returns the lengths ``[B]``."""
+    if not isinstance(offsets, Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 1:
+        raise _err(field, f"must be a 1-D int64 tensor, got {getattr(offsets, 'dtype', type(offsets))}")
+    if offsets.numel() != batch_size + 1:
+        raise _err(field, f"must have B+1 = {batch_size + 1} entries, got {offsets.numel()}")
+    if int(offsets[0]) != 0:
+        raise _err(field, f"offsets[0] must be 0, got {int(offsets[0])}")
+    lengths = offsets[1:] - offsets[:-1]
+    if batch_size and bool((lengths < 0).any()):
+        raise _err(field, "offsets must be non-decreasing")
+    if int(offsets[-1]) != total:
+        raise _err(field, f"offsets[-1] = {int(offsets[-1])} but the values hold {total} rows")
+    return lengths
+
+
+@dataclass
+class JaggedSequence:
+    """One behaviour sequence for a batch of B users, oldest event first.
+
+    Attributes:
+        offsets: ``[B+1]`` int64; user ``b`` owns rows ``offsets[b]:offsets[b+1]``.
+        max_len: host int, >= the longest sequence in this batch.
+        item_ids: ``[total]`` int64 item ids.
+        action_ids: ``[total]`` int64 action-type ids.
+        timestamps: ``[total]`` int64 seconds, non-decreasing within a sequence.
+    """
+
+    offsets: Tensor
+    max_len: int
+    item_ids: Tensor
+    action_ids: Tensor
+    timestamps: Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def lengths(self) -> Tensor:
+        """``[B]`` int64 sequence lengths."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedSequence:
+        return JaggedSequence(
+            offsets=self.offsets.to(device, non_blocking=non_blocking),
+            max_len=self.max_len,
+            item_ids=self.item_ids.to(device, non_blocking=non_blocking),
+            action_ids=self.action_ids.to(device, non_blocking=non_blocking),
+            timestamps=self.timestamps.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> JaggedSequence:
+        return JaggedSequence(
+            offsets=self.offsets.pin_memory(),
+            max_len=self.max_len,
+            item_ids=self.item_ids.pin_memory(),
+            action_ids=self.action_ids.pin_memory(),
+            timestamps=self.timestamps.pin_memory(),
+        )
+
+
+@dataclass
+class GemBatch:
+    """A batch of B impressions.
+
+    Attributes:
+        dense: ``[B, n_dense]`` float32 dense features.
+        sparse: KeyedJaggedTensor of int64 ids, keys ``spec.sparse_names`` in that order, stride B.
+        sequences: name -> :class:`JaggedSequence`, keys ``spec.sequence_names``.
+        request_time: ``[B]`` int64 seconds of the candidate impression (>= every timestamp of that user).
+        labels: ``[B, T]`` float32 in {0, 1}, columns in ``spec.tasks`` order.
+        label_mask: ``[B, T]`` bool, False where a label is missing.
+    """
+
+    dense: Tensor
+    sparse: KeyedJaggedTensor
+    sequences: dict[str, JaggedSequence]
+    request_time: Tensor
+    labels: Tensor
+    label_mask: Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.dense.shape[0]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> GemBatch:
+        """Copies every tensor to ``device`` (host ints such as ``max_len`` stay on the host)."""
+        return GemBatch(
+            dense=self.dense.to(device, non_blocking=non_blocking),
+            sparse=self.sparse.to(torch.device(device), non_blocking=non_blocking),
+            sequences={k: s.to(device, non_blocking=non_blocking) for k, s in self.sequences.items()},
+            request_time=self.request_time.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            label_mask=self.label_mask.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> GemBatch:
+        """Returns a copy in page-locked host memory (for ``to(cuda, non_blocking=True)``)."""
+        return GemBatch(
+            dense=self.dense.pin_memory(),
+            sparse=self.sparse.pin_memory(),
+            sequences={k: s.pin_memory() for k, s in self.sequences.items()},
+            request_time=self.request_time.pin_memory(),
+            labels=self.labels.pin_memory(),
+            label_mask=self.label_mask.pin_memory(),
+        )
+
+    def validate(self, spec: FeatureSpec) -> None:
+        """Checks shapes, dtypes, keys, offsets and id ranges against ``spec``.
+
+        Raises ``ValueError`` naming the offending field. Reads tensor values, so it syncs with the device:
+        call it on data-loader output or in tests, not inside the training step.
+        """
+        if not isinstance(self.dense, Tensor) or self.dense.dim() != 2:
+            raise _err(
+                "dense", f"must be a 2-D tensor [B, n_dense], got {getattr(self.dense, 'shape', None)}"
+            )
+        b = self.dense.shape[0]
+        if self.dense.shape[1] != spec.n_dense:
+            raise _err("dense", f"expected {spec.n_dense} columns (spec.n_dense), got {self.dense.shape[1]}")
+        if self.dense.dtype != torch.float32:
+            raise _err("dense", f"must be float32, got {self.dense.dtype}")
+        if not bool(torch.isfinite(self.dense).all()):
+            raise _err("dense", "holds NaN or inf")
+
+        self._validate_sparse(spec, b)
+        self._validate_sequences(spec, b)
+
+        t = len(spec.tasks)
+        for name, tensor, dtype, shape in (
+            ("request_time", self.request_time, torch.int64, (b,)),
+            ("labels", self.labels, torch.float32, (b, t)),
+            ("label_mask", self.label_mask, torch.bool, (b, t)),
+        ):
+            if not isinstance(tensor, Tensor) or tuple(tensor.shape) != shape:
+                raise _err(name, f"expected shape {list(shape)}, got {list(getattr(tensor, 'shape', []))}")
+            if tensor.dtype != dtype:
+                raise _err(name, f"must be {dtype}, got {tensor.dtype}")
+        if not bool(((self.labels == 0) | (self.labels == 1)).all()):
+            raise _err("labels", "values must be 0 or 1")
+        for s in spec.sequences:
+            seq = self.sequences[s.name]
+            if seq.timestamps.numel():
+                owner = torch.repeat_interleave(torch.arange(b, device=seq.offsets.device), seq.lengths)
+                if bool((seq.timestamps > self.request_time[owner]).any()):
+                    raise _err(f"sequences[{s.name!r}].timestamps", "an event is later than its request_time")
+
+    def _validate_sparse(self, spec: FeatureSpec, b: int) -> None:
+        if not isinstance(self.sparse, KeyedJaggedTensor):
+            raise _err("sparse", f"must be a KeyedJaggedTensor, got {type(self.sparse).__name__}")
+        keys = list(self.sparse.keys())
+        if keys != spec.sparse_names:
+            raise _err(
+                "sparse", f"keys {keys} differ from spec.sparse names {spec.sparse_names} (same order)"
+            )
+        if keys and self.sparse.stride() != b:
+            raise _err("sparse", f"stride {self.sparse.stride()} differs from the batch size {b}")
+        if keys and self.sparse.values().dtype != torch.int64:
+            raise _err("sparse", f"ids must be int64, got {self.sparse.values().dtype}")
+        for f in spec.sparse:
+            jt = self.sparse[f.name]
+            lengths, ids = jt.lengths(), jt.values()
+            if bool((lengths < 0).any()) or bool((lengths > f.max_ids).any()):
+                raise _err(f"sparse[{f.name!r}]", f"ids per sample must lie in [0, {f.max_ids}] (max_ids)")
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= f.num_embeddings):
+                raise _err(f"sparse[{f.name!r}]", f"ids must lie in [0, {f.num_embeddings}) (num_embeddings)")
+
+    def _validate_sequences(self, spec: FeatureSpec, b: int) -> None:
+        if not isinstance(self.sequences, dict) or set(self.sequences) != set(spec.sequence_names):
+            got = (
+                sorted(self.sequences) if isinstance(self.sequences, dict) else type(self.sequences).__name__
+            )
+            raise _err("sequences", f"keys {got} differ from spec.sequences {spec.sequence_names}")
+        for s in spec.sequences:
+            seq, field = self.sequences[s.name], f"sequences[{s.name!r}]"
+            total = seq.item_ids.numel() if isinstance(seq.item_ids, Tensor) else -1
+            for name in ("item_ids", "action_ids", "timestamps"):
+                t = getattr(seq, name)
+                if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype != torch.int64 or t.numel() != total:
+                    raise _err(f"{field}.{name}", f"must be a 1-D int64 tensor of {total} rows (as item_ids)")
+            lengths = _check_offsets(f"{field}.offsets", seq.offsets, b, total)
+            longest = int(lengths.max()) if b else 0
+            if not isinstance(seq.max_len, int) or seq.max_len < longest:
+                raise _err(f"{field}.max_len", f"must be a host int >= the longest sequence {longest}")
+            if longest > s.max_len:
+                raise _err(f"{field}.offsets", f"a sequence of {longest} events exceeds max_len {s.max_len}")
+            if total:
+                if int(seq.item_ids.min()) < 0 or int(seq.item_ids.max()) >= s.num_items:
+                    raise _err(f"{field}.item_ids", f"ids must lie in [0, {s.num_items}) (num_items)")
+                if int(seq.action_ids.min()) < 0 or int(seq.action_ids.max()) >= s.num_actions:
+                    raise _err(f"{field}.action_ids", f"ids must lie in [0, {s.num_actions}) (num_actions)")
+                # Non-decreasing within each sequence: only steps that start a new sequence may go down.
+                step_down = seq.timestamps[1:] < seq.timestamps[:-1]
+                starts = torch.zeros(total, dtype=torch.bool, device=step_down.device)
+                starts[seq.offsets[1:-1][seq.offsets[1:-1] < total]] = True
+                if bool((step_down & ~starts[1:]).any()):
+                    raise _err(
+                        f"{field}.timestamps", "must be non-decreasing within a sequence (oldest first)"
+                    )
