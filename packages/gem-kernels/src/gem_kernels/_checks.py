@@ -29,6 +29,9 @@ def debug_enabled() -> bool:
 
 def _value_checks_wanted(t: torch.Tensor) -> bool:
     # Value checks are free on the CPU; on other devices they cost a sync, so only in debug mode.
+    # While torch.compile traces, values are symbolic: reading them would break the graph.
+    if torch.compiler.is_compiling():
+        return False
     return t.device.type == "cpu" or _DEBUG
 
 
