@@ -79,7 +79,7 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
 def test_file_config_with_unknown_key(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[run]\nname = "x"\n[optim]\nlearning_rate = 0.1\n')
-    with pytest.raises(ConfigError, match="unknown config key 'optim.learning_rate'"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim\.learning_rate'"):
         load_config(f)
     f.write_text('[run]\nname = "x"\n[train]\nsteps = 3\n')
     cfg = load_config(f, ["train.steps=4"])

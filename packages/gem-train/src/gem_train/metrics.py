@@ -28,7 +28,7 @@ __all__ = [
     "reliability_bins",
 ]
 
-# Probabilities are clipped to [EPS, 1 - EPS] before logs, like sklearn's log_loss (which uses the dtype's eps).
+# Probabilities are clipped to [EPS, 1 - EPS] before logs, as sklearn's log_loss does.
 EPS = 1e-15
 
 
