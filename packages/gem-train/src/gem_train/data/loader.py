@@ -1,0 +1,126 @@
+"""Streaming, multi-worker, deterministic and resumable loading of ``GemBatch``es.
+
+A :class:`BatchSource` builds batch ``i`` of a split as a pure function of ``i``. :class:`BatchStream`, an
+``IterableDataset``, gives rank ``r`` of ``W`` ranks the global batches ``r, r + W, r + 2W, ...`` and splits
+those among its DataLoader workers round-robin (worker ``w`` of ``K`` makes every ``K``-th). The DataLoader
+reads workers in round-robin order, so the sequence a rank sees is the same for any number of workers, and
+the position of the stream is one integer: the number of batches this rank has consumed. That integer is in
+every checkpoint; a resumed stream starts from it (:func:`make_train_loader` with ``start``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from gem_model import FeatureSpec, GemBatch
+
+__all__ = ["BatchSource", "BatchStream", "LoadedBatch", "make_eval_loader", "make_train_loader"]
+
+
+class LoadedBatch:
+    """A batch and, for synthetic data, the hidden model's probabilities ``[B, T]`` (else None)."""
+
+    __slots__ = ("batch", "index", "true_probs")
+
+    def __init__(self, batch: GemBatch, index: int, true_probs: np.ndarray | None) -> None:
+        self.batch = batch
+        self.index = index
+        self.true_probs = true_probs
+
+    def pin_memory(self) -> LoadedBatch:
+        return LoadedBatch(self.batch.pin_memory(), self.index, self.true_probs)
+
+
+class BatchSource(Protocol):
+    """What a dataset provides to the loader."""
+
+    spec: FeatureSpec
+
+    def get(self, split: str, index: int, batch_size: int) -> LoadedBatch:
+        """Batch ``index`` of ``split`` ("train": any index >= 0, endless; "eval": ``< num_batches``)."""
+        ...
+
+    def num_batches(self, split: str, batch_size: int) -> int | None:
+        """Batches in one pass over ``split`` (None: endless)."""
+        ...
+
+
+class BatchStream(IterableDataset):
+    """The batches of one rank from position ``start`` on (``stop``: exclusive end of this rank's stream)."""
+
+    def __init__(
+        self,
+        source: BatchSource,
+        split: str,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world size {world_size}")
+        self.source, self.split, self.batch_size = source, split, batch_size
+        self.rank, self.world_size, self.start, self.stop = rank, world_size, start, stop
+
+    def __iter__(self) -> Iterator[LoadedBatch]:
+        info = get_worker_info()
+        worker, n_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        k = self.start + worker
+        while self.stop is None or k < self.stop:
+            global_index = k * self.world_size + self.rank
+            yield self.source.get(self.split, global_index, self.batch_size)
+            k += n_workers
+
+
+def _loader(stream: BatchStream, num_workers: int, pin: bool) -> DataLoader:
+    return DataLoader(
+        stream,
+        batch_size=None,  # the source makes whole batches
+        num_workers=num_workers,
+        pin_memory=pin,
+        persistent_workers=False,
+        prefetch_factor=4 if num_workers > 0 else None,
+    )
+
+
+def make_train_loader(
+    source: BatchSource,
+    batch_size: int,
+    *,
+    start: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """The endless training stream of this rank, from this rank's batch ``start`` on."""
+    stream = BatchStream(source, "train", batch_size, rank, world_size, start=start)
+    return _loader(stream, num_workers, pin_memory)
+
+
+def make_eval_loader(
+    source: BatchSource,
+    batch_size: int,
+    *,
+    max_batches: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """This rank's share of the evaluation split (all of it, or the first ``max_batches`` batches)."""
+    total = source.num_batches("eval", batch_size)
+    if total is None:
+        raise ValueError("the evaluation split must be finite")
+    if max_batches:
+        total = min(total, max_batches)
+    # Rank r takes global batches r, r + W, ...: per-rank count = ceil((total - r) / W).
+    per_rank = max(0, -(-(total - rank) // world_size))
+    stream = BatchStream(source, "eval", batch_size, rank, world_size, start=0, stop=per_rank)
+    return _loader(stream, num_workers, pin_memory)

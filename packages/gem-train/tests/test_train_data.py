@@ -1,0 +1,102 @@
+"""Synthetic data and the streaming loader: determinism, shapes, heavy tails, resumability, sharding."""
+
+import numpy as np
+import pytest
+import torch
+
+from gem_train.config import SyntheticConfig
+from gem_train.data.loader import make_eval_loader, make_train_loader
+from gem_train.data.synthetic import SyntheticAds, ground_truth_ne
+
+CFG = SyntheticConfig(num_users=2000, num_items=1000, num_categories=20, num_advertisers=50, max_len=64)
+
+
+def _same(a, b) -> bool:
+    return (
+        torch.equal(a.dense, b.dense)
+        and torch.equal(a.sparse.values(), b.sparse.values())
+        and torch.equal(a.sparse.lengths(), b.sparse.lengths())
+        and torch.equal(a.labels, b.labels)
+        and torch.equal(a.sequences["history"].item_ids, b.sequences["history"].item_ids)
+        and torch.equal(a.sequences["history"].timestamps, b.sequences["history"].timestamps)
+    )
+
+
+def test_batches_are_valid_and_deterministic():
+    ds = SyntheticAds(CFG, seed=3)
+    a = ds.make_batch("train", 5, 128)
+    a.batch.validate(ds.spec)
+    assert _same(a.batch, SyntheticAds(CFG, seed=3).make_batch("train", 5, 128).batch)
+    assert not _same(a.batch, ds.make_batch("train", 6, 128).batch)
+    assert not _same(a.batch, SyntheticAds(CFG, seed=4).make_batch("train", 5, 128).batch)
+    assert not _same(a.batch, ds.make_batch("eval", 5, 128).batch)
+    # Conversions are labelled only after a click.
+    lab, mask = a.batch.labels, a.batch.label_mask
+    assert torch.equal(mask[:, 1], lab[:, 0].bool()) and bool(mask[:, 0].all())
+    assert bool((lab[:, 1] <= lab[:, 0]).all())
+    hist = a.batch.sequences["history"]
+    assert int(hist.lengths.max()) <= CFG.max_len
+    assert bool((hist.timestamps < a.batch.request_time.repeat_interleave(hist.lengths)).all())
+
+
+@pytest.mark.parametrize("dist", ["lognormal", "zipf"])
+def test_heavy_tailed_history_and_zipf_popularity(dist):
+    cfg = SyntheticConfig(**{**CFG.__dict__, "history_dist": dist, "max_len": 10_000})
+    ds = SyntheticAds(cfg, seed=0)
+    b = ds.make_batch("train", 0, 4000).batch
+    lengths = b.sequences["history"].lengths.double()
+    # Heavy tail: the mean is well above the median, and the longest is far beyond the median.
+    assert lengths.mean() > 1.3 * lengths.median()
+    assert lengths.max() > 8 * lengths.median()
+    assert int((lengths == 0).sum()) > 0  # new users exist
+    # Zipf popularity: the top 1% of ads draw a large share of the impressions.
+    ads = b.sparse["ad_id"].values().numpy()
+    counts = np.sort(np.bincount(ads, minlength=cfg.num_items))[::-1]
+    assert counts[: cfg.num_items // 100].sum() > 0.15 * len(ads)
+
+
+def test_ground_truth_floor_is_clearly_below_one():
+    ds = SyntheticAds(CFG, seed=0)
+    parts = [ds.get("eval", i, 1024) for i in range(ds.num_batches("eval", 1024))]
+    ne = ground_truth_ne(
+        [p.true_probs for p in parts],
+        [p.batch.labels.numpy() for p in parts],
+        [p.batch.label_mask.numpy() for p in parts],
+        ds.spec.tasks,
+    )
+    assert ne["ctr"] < 0.85 and ne["cvr"] < 0.95
+    # And a constant base-rate predictor scores NE 1: the floor really is the ground truth's merit.
+    assert sum(p.batch.batch_size for p in parts) == CFG.eval_examples
+
+
+def _indices(loader, n):
+    out = []
+    for i, lb in enumerate(loader):
+        if i == n:
+            break
+        out.append((lb.index, lb.batch.dense.sum().item()))
+    return out
+
+
+def test_stream_same_for_any_worker_count_and_resumable():
+    ds = SyntheticAds(CFG, seed=1)
+    ref = _indices(make_train_loader(ds, 32, num_workers=0), 6)
+    assert [i for i, _ in ref] == list(range(6))
+    assert _indices(make_train_loader(ds, 32, num_workers=2), 6) == ref
+    # Resuming at position 4 continues exactly where the uninterrupted stream was.
+    assert _indices(make_train_loader(ds, 32, start=4, num_workers=2), 2) == ref[4:6]
+
+
+def test_ranks_get_disjoint_interleaved_shards():
+    ds = SyntheticAds(CFG, seed=1)
+    r0 = [i for i, _ in _indices(make_train_loader(ds, 32, rank=0, world_size=2), 3)]
+    r1 = [i for i, _ in _indices(make_train_loader(ds, 32, rank=1, world_size=2), 3)]
+    assert r0 == [0, 2, 4] and r1 == [1, 3, 5]
+    # Evaluation: ranks split the fixed evaluation batches with no overlap and no gap.
+    n = ds.num_batches("eval", 1000)
+    e0 = [lb.index for lb in make_eval_loader(ds, 1000, rank=0, world_size=3)]
+    e1 = [lb.index for lb in make_eval_loader(ds, 1000, rank=1, world_size=3)]
+    e2 = [lb.index for lb in make_eval_loader(ds, 1000, rank=2, world_size=3)]
+    assert sorted(e0 + e1 + e2) == list(range(n))
+    last = ds.get("eval", n - 1, 1000)
+    assert last.batch.batch_size == CFG.eval_examples - (n - 1) * 1000

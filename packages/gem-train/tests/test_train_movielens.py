@@ -1,0 +1,111 @@
+"""MovieLens-100K: parsing, the CTR task and its time split on a hand-made file; the real data on a slice."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from gem_train.config import MovieLensConfig
+from gem_train.data.movielens import (
+    MovieLens100K,
+    MovieLensFormatError,
+    fetch_movielens_100k,
+    read_movielens_100k,
+)
+
+USER = "user_id:token\tage:token\tgender:token\toccupation:token\tzip_code:token\n"
+ITEM = "item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq\n"
+INTER = "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+
+
+def _write(d, inter_rows, users=None, items=None):
+    (d / "ml-100k.user").write_text(USER + (users or "1\t24\tM\ttechnician\t85711\n2\t53\tF\tother\t94043\n"))
+    (d / "ml-100k.item").write_text(
+        ITEM
+        + (items or "1\tToy Story\t1995\tAnimation Comedy\n2\tHeat\tunkonwn\tAction\n3\tX\t1990\tDrama\n")
+    )
+    (d / "ml-100k.inter").write_text(INTER + "".join(inter_rows))
+
+
+def test_ctr_task_split_and_histories(tmp_path):
+    # User 1: 10 events (times 10..100, out of order in the file); user 2: 3 events.
+    rows = [f"1\t{1 + k % 3}\t{1 + k % 5}\t{10 * (10 - k)}\n" for k in range(10)]
+    rows += ["2\t3\t5\t7\n", "2\t1\t2\t5\n", "2\t2\t4\t9\n"]
+    _write(tmp_path, rows)
+    ev = read_movielens_100k(tmp_path)
+    assert ev.num_users == 3 and ev.num_items == 4
+    assert list(ev.timestamp[ev.user == 1]) == sorted(ev.timestamp[ev.user == 1])
+    ds = MovieLens100K(MovieLensConfig(max_len=4, eval_fraction=0.1), events=ev)
+    # The last 10% (at least one) of each user's events, by time, are evaluated.
+    assert list(ev.timestamp[ds.eval_rows]) == [100, 9]
+    assert len(ds.train_rows) == 11
+    b = ds.make_batch(ds.eval_rows)
+    b.validate(ds.spec)
+    # Label = rating >= 4.
+    assert b.labels[:, 0].tolist() == [float(ev.rating[r] >= 4) for r in ds.eval_rows]
+    hist = b.sequences["history"]
+    # User 1's eval event sees its 4 most recent earlier events, oldest first; ratings are the actions.
+    assert hist.lengths.tolist() == [4, 2]
+    u1 = np.flatnonzero(ev.user == 1)
+    assert hist.timestamps[:4].tolist() == ev.timestamp[u1][5:9].tolist()
+    assert hist.action_ids[:4].tolist() == ev.rating[u1][5:9].tolist()
+    assert bool((hist.timestamps[:4] < b.request_time[0]).all())
+    # A user's first event has an empty history.
+    first = ds.make_batch(np.array([u1[0]]))
+    assert first.sequences["history"].lengths.tolist() == [0]
+    # Training batches cover the training split once per epoch, reshuffled by epoch.
+    e0 = np.concatenate([ds.rows("train", k, 5) for k in range(2)])
+    e1 = np.concatenate([ds.rows("train", 2 + k, 5) for k in range(2)])
+    assert len(set(e0)) == 10 and set(e0) <= set(ds.train_rows) and not np.array_equal(e0, e1)
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ("1\t2\t3\n", "record 3: expected 4 tab-separated fields"),
+        ("1\tabc\t3\t10\n", "record 3: item_id 'abc' is not an integer"),
+        ("1\t2\t9\t10\n", r"record 3: rating 9 outside \[1, 5\]"),
+        ("7\t2\t3\t10\n", "record 3: user_id 7 outside"),
+    ],
+)
+def test_corrupt_record_names_file_and_record(tmp_path, row, message):
+    _write(tmp_path, ["1\t1\t4\t5\n", row])
+    with pytest.raises(MovieLensFormatError, match=f"ml-100k.inter: {message}"):
+        read_movielens_100k(tmp_path)
+
+
+def test_bad_header_and_missing_file(tmp_path):
+    _write(tmp_path, ["1\t1\t4\t5\n"])
+    (tmp_path / "ml-100k.user").write_text("id\tage\n1\t2\n")
+    with pytest.raises(MovieLensFormatError, match=r"ml-100k.user: record 1 \(header\)"):
+        read_movielens_100k(tmp_path)
+    (tmp_path / "ml-100k.user").unlink()
+    with pytest.raises(MovieLensFormatError, match="file missing"):
+        read_movielens_100k(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def real_ml100k(tmp_path_factory):
+    cache = os.environ.get("GEM_CACHE_DIR") or str(tmp_path_factory.mktemp("gem-cache"))
+    try:
+        return fetch_movielens_100k(cache)
+    except Exception as e:  # no network, no pip: the pipeline cannot be checked on real data here
+        pytest.skip(f"MovieLens-100K could not be fetched (pip download --no-deps recbole==1.2.1): {e}")
+
+
+def test_real_movielens_slice(real_ml100k):
+    ev = read_movielens_100k(real_ml100k, max_users=50)
+    assert set(np.unique(ev.user)) <= set(range(1, 51)) and len(ev.user) > 1000
+    assert ev.num_users == 944 and ev.num_items == 1683 and ev.num_genres == 19
+    ds = MovieLens100K(MovieLensConfig(max_len=32), events=ev)
+    for split in ("train", "eval"):
+        lb = ds.get(split, 0, 256)
+        lb.batch.validate(ds.spec)
+        assert torch.isfinite(lb.batch.dense).all()
+    # Every user contributes its last ~10% to evaluation.
+    per_user = np.bincount(ev.user[ds.eval_rows])
+    counts = np.bincount(ev.user)
+    ok = counts > 0
+    assert np.all(per_user[ok] == np.ceil(0.1 * counts[ok]))
+    assert 0.3 < ds.label.mean() < 0.7
