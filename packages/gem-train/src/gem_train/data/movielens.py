@@ -149,7 +149,8 @@ def _read_table(path: Path, header: list[str]) -> list[tuple[int, list[str]]]:
         fields = line.split("\t")
         if len(fields) != len(header):
             raise MovieLensFormatError(
-                f"{path}: record {i}: expected {len(header)} tab-separated fields, got {len(fields)}: {line!r}"
+                f"{path}: record {i}: expected {len(header)} tab-separated fields, "
+                f"got {len(fields)}: {line!r}"
             )
         rows.append((i, fields))
     return rows
@@ -222,7 +223,7 @@ def read_movielens_100k(directory: str | Path, max_users: int = 0) -> MovieLensE
     year = np.zeros(num_items, np.int64)
     genres: list[list[int]] = [[] for _ in range(num_items)]
     genre_vocab: dict[str, int] = {}
-    for (ln, f), i in zip(items, iids):
+    for (_ln, f), i in zip(items, iids):
         # release_year is a *token* column: mostly a year, but "unkonwn" (sic) and "V" occur; any token
         # that is not a plausible year is an unknown year (0).
         tok = f[2].strip()
@@ -378,21 +379,11 @@ class MovieLens100K:
         age_bucket = np.searchsorted(np.array(_AGE_BUCKETS), ev.user_age[u], side="right")
         ones = np.ones(b, np.int64)
         t = torch.from_numpy
+        genre_ids = np.fromiter((x for g in genres for x in g), np.int64, int(n_gen.sum()))
+        values = [u, ev.user_gender[u], age_bucket, ev.user_occupation[u], it, genre_ids, year_bucket]
         sparse = KeyedJaggedTensor(
             keys=self.spec.sparse_names,
-            values=t(
-                np.concatenate(
-                    [
-                        u,
-                        ev.user_gender[u],
-                        age_bucket,
-                        ev.user_occupation[u],
-                        it,
-                        np.fromiter((x for g in genres for x in g), np.int64, int(n_gen.sum())),
-                        year_bucket,
-                    ]
-                ).astype(np.int64)
-            ),  # fmt: skip
+            values=t(np.concatenate(values).astype(np.int64)),
             lengths=t(np.concatenate([ones, ones, ones, ones, ones, n_gen, ones])),
             stride=b,
         )

@@ -8,7 +8,8 @@ often: Zipf popularity), a candidate ad, dense features, and labels drawn from a
     ctr logit = base + taste(user . ad) + ad quality + advertiser quality + user bias
                 + recency-weighted share of the history in the ad's category (clicks count double)
                 + "clicked this very ad before" + hour-of-day effect
-    cvr logit = base + ad quality + advertiser quality + taste + the user's history of purchases (given a click)
+    cvr logit = base + ad quality + advertiser quality + taste + the user's purchase history and propensity
+                (P(conversion | click))
 
 The model sees ids (user, ad, category, advertiser, segment, declared interests), noisy dense views of some
 latents, and the history; the latents themselves stay hidden. ``true_probs`` of each batch are the Bayes
