@@ -18,6 +18,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from gem_kernels._checks import check_offsets, check_same, check_values
+from gem_kernels._dispatch import get_backend, use_triton
 from gem_kernels.attention import reference
 from gem_kernels.attention.activations import canonical_activation
 
@@ -26,9 +27,26 @@ from gem_kernels.attention.activations import canonical_activation
 # --------------------------------------------------------------------------------------------------
 
 
-def _kernels_for(q: torch.Tensor):
-    """The Triton kernel module when ``q`` should run on it, else None (the reference path)."""
-    return None
+MAX_TRITON_HEAD_DIM = 256
+
+
+def _kernels_for(q: torch.Tensor, v: torch.Tensor):
+    """The Triton kernel module when the op should run on it, else None (the reference path).
+
+    fp64 and head dims above 256 always take the reference (an error if the triton backend is forced)."""
+    if not use_triton(q):
+        return None
+    if q.dtype == torch.float64 or max(q.shape[2], v.shape[2]) > MAX_TRITON_HEAD_DIM:
+        if get_backend() == "triton":
+            raise NotImplementedError(
+                f"the triton attention kernels take fp32/fp16/bf16 and head dims <= {MAX_TRITON_HEAD_DIM}, "
+                f"got {q.dtype}, D={q.shape[2]}, Dv={v.shape[2]}"
+            )
+        return None
+    # Imported lazily so that importing gem_kernels does not import Triton.
+    from gem_kernels.attention import triton_attention
+
+    return triton_attention
 
 
 @torch.library.custom_op("gem_kernels::jagged_attention_fwd", mutates_args=())
@@ -46,7 +64,7 @@ def _attention_fwd(
     qk_scale: float,
     out_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    kernels = _kernels_for(q)
+    kernels = _kernels_for(q, v)
     if kernels is not None:
         return kernels.attention_fwd(
             q,
@@ -94,7 +112,7 @@ def _attention_bwd(
     qk_scale: float,
     out_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kernels = _kernels_for(q)
+    kernels = _kernels_for(q, v)
     if kernels is not None:
         return kernels.attention_bwd(
             dout,

@@ -1,0 +1,260 @@
+"""Launchers of the jagged attention Triton kernels: output allocation, grids, block sizes, autotuning.
+
+On CUDA each kernel is autotuned over a few block shapes, keyed on bucketed shapes (batch to a power of
+two, the longest query/key sequence to a power of two, the band kind, the activation and head dims), so
+ragged batches do not retune every step. Which candidates are tried depends on the shape bucket:
+short keys (cross-attention, <= 64 keys) get narrow key tiles, few queries (PMA, <= 32) narrow query
+tiles. Under ``TRITON_INTERPRET=1`` (CPU tests) a fixed configuration runs; tests can force others with
+:func:`force_blocks`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import triton
+
+from gem_kernels._dispatch import triton_interpreted
+from gem_kernels.attention.activations import ACTIVATION_IDS
+from gem_kernels.attention.triton_bwd import _dkdv_kernel, _dq_kernel
+from gem_kernels.attention.triton_fwd import _fwd_kernel
+
+# Stands for an unbounded side of the band; small enough that ``i + UNBOUNDED`` fits in int32.
+UNBOUNDED = 1 << 30
+SHORT_KV = 64  # cross-attention with at most this many keys per sequence
+FEW_Q = 32  # PMA-style pooling with at most this many queries per sequence
+
+_forced: tuple[int, int] | None = None
+
+
+@contextlib.contextmanager
+def force_blocks(block_m: int, block_n: int) -> Iterator[None]:
+    """Run every kernel with ``BLOCK_M`` (query tile) and ``BLOCK_N`` (key tile) fixed (tests)."""
+    global _forced
+    old, _forced = _forced, (block_m, block_n)
+    try:
+        yield
+    finally:
+        _forced = old
+
+
+def _bucket(n: int) -> int:
+    return max(16, triton.next_power_of_2(max(n, 1)))
+
+
+def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+# Candidates per kernel; the prune functions keep those fit for the shape bucket.
+_FWD_CONFIGS = [
+    _cfg(128, 64, 8, 3),
+    _cfg(128, 128, 8, 3),
+    _cfg(64, 64, 4, 3),
+    _cfg(128, 32, 4, 3),
+    _cfg(128, 16, 4, 3),
+    _cfg(64, 32, 4, 3),
+    _cfg(32, 64, 4, 3),
+    _cfg(32, 128, 4, 3),
+    _cfg(16, 128, 4, 3),
+]
+_DQ_CONFIGS = [
+    _cfg(128, 64, 8, 2),
+    _cfg(64, 64, 4, 2),
+    _cfg(128, 32, 8, 2),
+    _cfg(128, 16, 4, 2),
+    _cfg(64, 32, 4, 2),
+    _cfg(32, 64, 4, 2),
+    _cfg(16, 64, 4, 2),
+]
+_DKDV_CONFIGS = [
+    _cfg(64, 128, 8, 2),
+    _cfg(64, 64, 4, 2),
+    _cfg(32, 128, 8, 2),
+    _cfg(64, 32, 4, 2),
+    _cfg(128, 16, 4, 2),
+    _cfg(64, 16, 4, 2),
+    _cfg(32, 64, 4, 2),
+    _cfg(16, 64, 4, 2),
+]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Keep the candidates that fit the bucketed shape (see the module docstring)."""
+    bq, bkv = named_args["bucket_q"], named_args["bucket_kv"]
+
+    def fits(c: triton.Config) -> bool:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if bkv <= SHORT_KV:  # a key tile no longer than the keys, many query rows per program
+            return bn <= bkv and bm >= 64
+        if bq <= FEW_Q:  # a query tile no longer than the queries, long key tiles
+            return bm <= bq and bn >= 64
+        return bm >= 64 and bn >= 64
+
+    return [c for c in configs if fits(c)] or configs[:1]
+
+
+_KEY = ["bucket_b", "bucket_q", "bucket_kv", "band_kind", "ACT", "D", "DV", "PRECISION"]
+_fwd_tuned = triton.autotune(_FWD_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})(
+    _fwd_kernel
+)
+_dq_tuned = triton.autotune(_DQ_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})(
+    _dq_kernel
+)
+_dkdv_tuned = triton.autotune(_DKDV_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})(
+    _dkdv_kernel
+)
+
+
+def _launch(tuned, raw, grid_of, args, consts) -> None:
+    """Launch ``raw`` with fixed blocks (interpreter or forced) or ``tuned`` (CUDA autotune).
+
+    ``grid_of(block_m, block_n)`` gives the grid; axis 1 counts the tiles of the longest sequence."""
+    if triton_interpreted() or _forced is not None:
+        bm, bn = _forced if _forced is not None else (32, 32)
+        if 0 in grid_of(bm, bn):
+            return
+        raw[grid_of(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, **consts)
+    elif 0 not in grid_of(16, 16):
+        tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
+
+
+def _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right):
+    """``(left, right, autotune buckets, constexprs)`` shared by the three launchers."""
+    left = UNBOUNDED if left < 0 else left
+    right = UNBOUNDED if right < 0 else right
+    band_kind = 0 if (left, right) == (UNBOUNDED, UNBOUNDED) else 1 if left == UNBOUNDED else 2
+    d, dv = q.shape[2], v.shape[2]
+    buckets = (_bucket(q_offsets.numel() - 1), _bucket(max_q_len), _bucket(max_kv_len), band_kind)
+    consts = dict(
+        ACT=ACTIVATION_IDS[activation],
+        D=d,
+        DV=dv,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        # fp32 inputs get exact fp32 products unless the user allowed TF32, as torch.matmul does.
+        PRECISION="tf32" if q.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee",
+    )
+    return left, right, buckets, consts
+
+
+def _strides(*ts: torch.Tensor) -> tuple[int, ...]:
+    return tuple(s for t in ts for s in (t.stride(0), t.stride(1)))
+
+
+def attention_fwd(
+    q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, left, right, qk_scale, out_scale
+):
+    """Triton forward: ``(out [total_q, H, Dv], lse [total_q, H] fp32, or empty for GDPA)``.
+
+    Arguments as in :func:`gem_kernels.attention.reference.attention_fwd`, plus the host ints
+    ``max_q_len``/``max_kv_len`` that size the grid."""
+    batch, heads = q_offsets.numel() - 1, q.shape[1]
+    out = torch.empty(q.shape[0], heads, v.shape[2], dtype=q.dtype, device=q.device)
+    softmax = activation == "softmax"
+    lse = torch.empty((q.shape[0], heads) if softmax else (0,), dtype=torch.float32, device=q.device)
+    if q.shape[0] == 0 or batch == 0 or heads == 0:
+        return out, lse
+    left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
+    args = (
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q_offsets,
+        kv_offsets,
+        *_strides(q, k, v, out),
+        heads,
+        left,
+        right,
+        qk_scale,
+        out_scale,
+        *buckets,
+    )
+    _launch(_fwd_tuned, _fwd_kernel, lambda bm, bn: (batch * heads, triton.cdiv(max_q_len, bm)), args, consts)
+    return out, lse
+
+
+def attention_bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_offsets,
+    kv_offsets,
+    max_q_len,
+    max_kv_len,
+    activation,
+    left,
+    right,
+    qk_scale,
+    out_scale,
+):
+    """Triton backward: ``(dq, dk, dv)`` in the dtypes of ``(q, k, v)``.
+
+    Runs the dQ kernel (which also writes ``delta = rowsum(dO * O)`` for softmax), then the dK/dV kernel."""
+    batch, heads = q_offsets.numel() - 1, q.shape[1]
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if batch == 0 or heads == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    dout = dout.contiguous()
+    left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
+    delta = torch.empty_like(lse)
+    if q.shape[0] > 0:
+        args = (
+            q,
+            k,
+            v,
+            out,
+            dout,
+            dq,
+            lse,
+            delta,
+            q_offsets,
+            kv_offsets,
+            *_strides(q, k, v, out),
+            heads,
+            left,
+            right,
+            qk_scale,
+            out_scale,
+            *buckets,
+        )
+        _launch(
+            _dq_tuned, _dq_kernel, lambda bm, bn: (batch * heads, triton.cdiv(max_q_len, bm)), args, consts
+        )
+    if k.shape[0] > 0:
+        args = (
+            q,
+            k,
+            v,
+            dout,
+            dk,
+            dv,
+            lse,
+            delta,
+            q_offsets,
+            kv_offsets,
+            *_strides(q, k, v, out),
+            heads,
+            left,
+            right,
+            qk_scale,
+            out_scale,
+            *buckets,
+        )
+        _launch(
+            _dkdv_tuned,
+            _dkdv_kernel,
+            lambda bm, bn: (batch * heads, triton.cdiv(max_kv_len, bn)),
+            args,
+            consts,
+        )
+    return dq, dk, dv

@@ -1,0 +1,501 @@
+"""Backward Triton kernels of jagged attention: dQ (and delta) first, then dK/dV; no atomics.
+
+See :mod:`.triton_common` for the layout and the band.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gem_kernels.attention.triton_common import LOG2E, _act_and_grad, _band_ranges
+
+
+@triton.jit
+def _dq_tiles(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    K,
+    V,
+    k_row0,
+    v_row0,
+    stride_kt,
+    stride_vt,
+    offs_m,
+    offs_d,
+    offs_dv,
+    len_kv,
+    lo,
+    hi,
+    left,
+    right,
+    qk_scale,
+    out_scale,
+    ACT: tl.constexpr,
+    MASK: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = K + k_row0 + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :]  # [BN, BD]
+        vt_ptrs = V + v_row0 + offs_n[None, :].to(tl.int64) * stride_vt + offs_dv[:, None]  # [BDV, BN]
+        if MASK:
+            k = tl.load(k_ptrs, mask=(offs_n[:, None] < len_kv) & (offs_d[None, :] < D), other=0.0)
+            vt = tl.load(vt_ptrs, mask=(offs_n[None, :] < len_kv) & (offs_dv[:, None] < DV), other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
+            vt = tl.load(vt_ptrs, mask=offs_dv[:, None] < DV, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN]
+        dp = tl.dot(do, vt, input_precision=PRECISION)  # [BM, BN]
+        if ACT == 0:
+            p = tl.math.exp2(s - lse2[:, None])
+            ds = p * (dp - delta[:, None])
+        else:
+            _, da = _act_and_grad(s, ACT)
+            ds = dp * da
+        if MASK:
+            visible = (
+                (offs_n[None, :] < len_kv)
+                & (offs_n[None, :] >= offs_m[:, None] - left)
+                & (offs_n[None, :] <= offs_m[:, None] + right)
+            )
+            ds = tl.where(visible, ds, 0.0)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    DO,
+    DQ,
+    LSE,
+    DELTA,
+    q_offsets,
+    kv_offsets,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    n_heads,
+    left,
+    right,
+    qk_scale,
+    out_scale,
+    bucket_b,
+    bucket_q,
+    bucket_kv,
+    band_kind,
+    ACT: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    q_start = tl.load(q_offsets + b).to(tl.int64)
+    len_q = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+    if start_m < len_q:
+        kv_start = tl.load(kv_offsets + b).to(tl.int64)
+        len_kv = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        row_ok = offs_m < len_q
+        q_rows = (q_start + offs_m[:, None]) * stride_qt + h * stride_qh
+        o_rows = (q_start + offs_m[:, None]) * stride_ot + h * stride_oh
+        q = tl.load(Q + q_rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        do_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
+        do = tl.load(DO + o_rows + offs_dv[None, :], mask=do_mask, other=0.0)
+        if ACT == 0:
+            o = tl.load(Out + o_rows + offs_dv[None, :], mask=do_mask, other=0.0)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            tl.store(DELTA + (q_start + offs_m) * n_heads + h, delta, mask=row_ok)
+            lse = tl.load(LSE + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
+            # Rows with no visible key (lse = -inf) get p = 0 instead of inf.
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+            s_scale = qk_scale * LOG2E
+        else:
+            delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+            lse2 = delta
+            s_scale = qk_scale
+        k_row0 = kv_start * stride_kt + h * stride_kh
+        v_row0 = kv_start * stride_vt + h * stride_vh
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        lo, full_lo, full_hi, hi = _band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
+        dq = _dq_tiles(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            K,
+            V,
+            k_row0,
+            v_row0,
+            stride_kt,
+            stride_vt,
+            offs_m,
+            offs_d,
+            offs_dv,
+            len_kv,
+            lo,
+            full_lo,
+            left,
+            right,
+            s_scale,
+            out_scale,
+            ACT,
+            True,
+            D,
+            DV,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DV,
+            PRECISION,
+        )
+        dq = _dq_tiles(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            K,
+            V,
+            k_row0,
+            v_row0,
+            stride_kt,
+            stride_vt,
+            offs_m,
+            offs_d,
+            offs_dv,
+            len_kv,
+            full_lo,
+            full_hi,
+            left,
+            right,
+            s_scale,
+            out_scale,
+            ACT,
+            False,
+            D,
+            DV,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DV,
+            PRECISION,
+        )
+        dq = _dq_tiles(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            K,
+            V,
+            k_row0,
+            v_row0,
+            stride_kt,
+            stride_vt,
+            offs_m,
+            offs_d,
+            offs_dv,
+            len_kv,
+            full_hi,
+            hi,
+            left,
+            right,
+            s_scale,
+            out_scale,
+            ACT,
+            True,
+            D,
+            DV,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DV,
+            PRECISION,
+        )
+        if ACT == 0:
+            dq = dq * qk_scale
+        else:
+            dq = dq * (qk_scale * out_scale)
+        tl.store(
+            DQ + q_rows + offs_d[None, :],
+            dq.to(DQ.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_d[None, :] < D),
+        )
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk,
+    dv,
+    k,
+    v,
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    q_start,
+    h,
+    n_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    offs_n,
+    offs_d,
+    offs_dv,
+    len_q,
+    lo,
+    hi,
+    left,
+    right,
+    s_scale,
+    ACT: tl.constexpr,
+    MASK: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qt_ptrs = Q + (q_start + offs_m[None, :]) * stride_qt + h * stride_qh + offs_d[:, None]  # [BD, BM]
+        do_ptrs = DO + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :]  # [BM, BDV]
+        if MASK:
+            qt = tl.load(qt_ptrs, mask=(offs_m[None, :] < len_q) & (offs_d[:, None] < D), other=0.0)
+            do = tl.load(do_ptrs, mask=(offs_m[:, None] < len_q) & (offs_dv[None, :] < DV), other=0.0)
+        else:
+            qt = tl.load(qt_ptrs, mask=offs_d[:, None] < D, other=0.0)
+            do = tl.load(do_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        st = tl.dot(k, qt, input_precision=PRECISION) * s_scale  # [BN, BM]: scores transposed
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # [BN, BM]
+        if ACT == 0:
+            row_ok = offs_m < len_q
+            lse = tl.load(LSE + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+            pt = tl.math.exp2(st - lse2[None, :])
+            dst = pt * (dpt - delta[None, :])
+        else:
+            pt, da = _act_and_grad(st, ACT)
+            dst = dpt * da
+        if MASK:
+            visible = (
+                (offs_m[None, :] < len_q)
+                & (offs_n[:, None] >= offs_m[None, :] - left)
+                & (offs_n[:, None] <= offs_m[None, :] + right)
+            )
+            pt = tl.where(visible, pt, 0.0)
+            dst = tl.where(visible, dst, 0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV_,
+    LSE,
+    DELTA,
+    q_offsets,
+    kv_offsets,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    n_heads,
+    left,
+    right,
+    qk_scale,
+    out_scale,
+    bucket_b,
+    bucket_q,
+    bucket_kv,
+    band_kind,
+    ACT: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    # Earlier key tiles are seen by more queries under a causal band: start them first.
+    start_n = tl.program_id(1) * BLOCK_N
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    kv_start = tl.load(kv_offsets + b).to(tl.int64)
+    len_kv = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    if start_n < len_kv:
+        q_start = tl.load(q_offsets + b).to(tl.int64)
+        len_q = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        col_ok = offs_n < len_kv
+        k_rows = (kv_start + offs_n[:, None]) * stride_kt + h * stride_kh
+        v_rows = (kv_start + offs_n[:, None]) * stride_vt + h * stride_vh
+        k = tl.load(K + k_rows + offs_d[None, :], mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(V + v_rows + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        if ACT == 0:
+            s_scale = qk_scale * LOG2E
+        else:
+            s_scale = qk_scale
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+        # Query i sees key j iff j - right <= i <= j + left: the band seen from the key side.
+        lo, full_lo, full_hi, hi = _band_ranges(start_n, len_q, right, left, BLOCK_N, BLOCK_M)
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            Q,
+            DO,
+            LSE,
+            DELTA,
+            q_start,
+            h,
+            n_heads,
+            stride_qt,
+            stride_qh,
+            stride_ot,
+            stride_oh,
+            offs_n,
+            offs_d,
+            offs_dv,
+            len_q,
+            lo,
+            full_lo,
+            left,
+            right,
+            s_scale,
+            ACT,
+            True,
+            D,
+            DV,
+            BLOCK_M,
+            BLOCK_D,
+            BLOCK_DV,
+            PRECISION,
+        )
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            Q,
+            DO,
+            LSE,
+            DELTA,
+            q_start,
+            h,
+            n_heads,
+            stride_qt,
+            stride_qh,
+            stride_ot,
+            stride_oh,
+            offs_n,
+            offs_d,
+            offs_dv,
+            len_q,
+            full_lo,
+            full_hi,
+            left,
+            right,
+            s_scale,
+            ACT,
+            False,
+            D,
+            DV,
+            BLOCK_M,
+            BLOCK_D,
+            BLOCK_DV,
+            PRECISION,
+        )
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            Q,
+            DO,
+            LSE,
+            DELTA,
+            q_start,
+            h,
+            n_heads,
+            stride_qt,
+            stride_qh,
+            stride_ot,
+            stride_oh,
+            offs_n,
+            offs_d,
+            offs_dv,
+            len_q,
+            full_hi,
+            hi,
+            left,
+            right,
+            s_scale,
+            ACT,
+            True,
+            D,
+            DV,
+            BLOCK_M,
+            BLOCK_D,
+            BLOCK_DV,
+            PRECISION,
+        )
+        if ACT == 0:
+            dk = dk * qk_scale
+        else:
+            dk = dk * (qk_scale * out_scale)
+            dv = dv * out_scale
+        tl.store(
+            DK + k_rows + offs_d[None, :],
+            dk.to(DK.dtype.element_ty),
+            mask=col_ok[:, None] & (offs_d[None, :] < D),
+        )
+        tl.store(
+            DV_ + v_rows + offs_dv[None, :],
+            dv.to(DV_.dtype.element_ty),
+            mask=col_ok[:, None] & (offs_dv[None, :] < DV),
+        )

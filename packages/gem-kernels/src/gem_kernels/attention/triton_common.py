@@ -1,0 +1,85 @@
+"""Shared Triton helpers of the jagged attention kernels: activations and the band of visible tiles.
+
+Layout: q/o/do/dq ``[total_q, H, *]``, k/v/dk/dv ``[total_kv, H, *]``, rows of one head ``stride_t`` apart;
+``lse``/``delta`` ``[total_q, H]`` fp32. Grids are ``(B*H, tiles of the longest sequence)``: a program whose
+tile starts past its sequence's end does nothing, and the loop over the other side only visits tiles
+inside the causal/window band. Each loop runs in three phases, ``[lo, full_lo)`` masked,
+``[full_lo, full_hi)`` unmasked (tiles wholly inside the sequence and the band), ``[full_hi, hi)`` masked,
+so that only edge tiles pay for masking.
+
+Band: key ``j`` is visible from query ``i`` iff ``i - left <= j <= i + right``; the launcher passes a large
+number for an unbounded side. Softmax works in base 2 (``qk_scale`` is pre-multiplied by log2(e)); the
+saved ``lse`` is natural-log, ``-inf`` for a row with no visible key.
+
+Backward, no atomics: ``_dq_kernel`` (one program per query tile, also writes ``delta = rowsum(dO * O)`` for
+softmax) runs first, then ``_dkdv_kernel`` (one program per key tile, looping over query tiles).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+# 2 * sqrt(2 / pi): gelu_tanh(x) = x * sigmoid((x + 0.044715 x^3) * GELU_K). Globals used in kernels must be
+# constexpr; keep them on the right of a product (the interpreter mishandles constexpr * tensor).
+GELU_K: tl.constexpr = tl.constexpr(1.5957691216057308)
+
+
+@triton.jit
+def _act(s, ACT: tl.constexpr):
+    """GDPA activation (ACT: 1 silu, 2 gelu-tanh, 3 relu, 4 relu2, 5 identity)."""
+    if ACT == 1:
+        y = s * tl.sigmoid(s)
+    elif ACT == 2:
+        y = s * tl.sigmoid((s + 0.044715 * s * s * s) * GELU_K)
+    elif ACT == 3:
+        y = tl.maximum(s, 0.0)
+    elif ACT == 4:
+        r = tl.maximum(s, 0.0)
+        y = r * r
+    else:
+        y = s
+    return y
+
+
+@triton.jit
+def _act_and_grad(s, ACT: tl.constexpr):
+    """(act(s), act'(s)) sharing the sigmoid."""
+    if ACT == 1:
+        sg = tl.sigmoid(s)
+        y = s * sg
+        dy = sg * (1.0 + s * (1.0 - sg))
+    elif ACT == 2:
+        sg = tl.sigmoid((s + 0.044715 * s * s * s) * GELU_K)
+        y = s * sg
+        dy = sg + s * sg * (1.0 - sg) * GELU_K * (1.0 + 3 * 0.044715 * s * s)
+    elif ACT == 3:
+        y = tl.maximum(s, 0.0)
+        dy = tl.where(s > 0.0, 1.0, 0.0)
+    elif ACT == 4:
+        r = tl.maximum(s, 0.0)
+        y = r * r
+        dy = 2.0 * r
+    else:
+        y = s
+        dy = tl.full(s.shape, 1.0, tl.float32)
+    return y, dy
+
+
+@triton.jit
+def _band_ranges(start, len_inner, lo_dist, hi_dist, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr):
+    """Inner tiles seen by outer rows ``[start, start+BLOCK_OUTER)`` where inner ``c`` is visible from
+    outer ``r`` iff ``r - lo_dist <= c <= r + hi_dist`` and ``c < len_inner``.
+
+    Returns ``lo <= full_lo <= full_hi <= hi`` (multiples of BLOCK_INNER except ``hi``): tiles in
+    ``[full_lo, full_hi)`` need no mask."""
+    lo = tl.maximum(start - lo_dist, 0) // BLOCK_INNER * BLOCK_INNER
+    first_full = tl.maximum(start + BLOCK_OUTER - 1 - lo_dist, 0)
+    full_lo = tl.maximum((first_full + BLOCK_INNER - 1) // BLOCK_INNER * BLOCK_INNER, lo)
+    hi = tl.minimum(len_inner, start + BLOCK_OUTER + hi_dist)
+    full_end = tl.minimum(len_inner, start + hi_dist + 1)
+    full_lo = tl.minimum(full_lo, tl.maximum(hi, lo))
+    full_hi = tl.maximum(full_end // BLOCK_INNER * BLOCK_INNER, full_lo)
+    return lo, full_lo, full_hi, hi

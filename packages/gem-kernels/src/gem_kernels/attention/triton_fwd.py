@@ -1,0 +1,231 @@
+"""Forward Triton kernel of jagged attention (softmax and GDPA); see :mod:`.triton_common`."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gem_kernels.attention.triton_common import LN2, LOG2E, _act, _band_ranges
+
+
+@triton.jit
+def _fwd_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    K,
+    V,
+    k_row0,
+    v_row0,
+    stride_kt,
+    stride_vt,
+    offs_m,
+    offs_d,
+    offs_dv,
+    len_kv,
+    lo,
+    hi,
+    left,
+    right,
+    qk_scale,
+    ACT: tl.constexpr,
+    MASK: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt_ptrs = K + k_row0 + offs_n[None, :].to(tl.int64) * stride_kt + offs_d[:, None]  # [BD, BN]
+        v_ptrs = V + v_row0 + offs_n[:, None].to(tl.int64) * stride_vt + offs_dv[None, :]  # [BN, BDV]
+        if MASK:
+            kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < len_kv) & (offs_d[:, None] < D), other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < len_kv) & (offs_dv[None, :] < DV), other=0.0)
+        else:
+            kt = tl.load(kt_ptrs, mask=offs_d[:, None] < D, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BM, BN] fp32
+        if MASK:
+            visible = (
+                (offs_n[None, :] < len_kv)
+                & (offs_n[None, :] >= offs_m[:, None] - left)
+                & (offs_n[None, :] <= offs_m[:, None] + right)
+            )
+        if ACT == 0:
+            if MASK:
+                s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row may see no key in a masked tile (and none before it): keep exp2 away from inf - inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        else:
+            p = _act(s, ACT)
+            if MASK:
+                p = tl.where(visible, p, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    q_offsets,
+    kv_offsets,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    n_heads,
+    left,
+    right,
+    qk_scale,
+    out_scale,
+    bucket_b,
+    bucket_q,
+    bucket_kv,
+    band_kind,  # autotune keys only
+    ACT: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    # Later query tiles see more keys under a causal band: start them first.
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    q_start = tl.load(q_offsets + b).to(tl.int64)
+    len_q = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+    if start_m < len_q:
+        kv_start = tl.load(kv_offsets + b).to(tl.int64)
+        len_kv = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        row_ok = offs_m < len_q
+        q_ptrs = Q + (q_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        k_row0 = kv_start * stride_kt + h * stride_kh
+        v_row0 = kv_start * stride_vt + h * stride_vh
+        if ACT == 0:
+            qk_scale = qk_scale * LOG2E
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        lo, full_lo, full_hi, hi = _band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
+        acc, m_i, l_i = _fwd_tiles(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            k_row0,
+            v_row0,
+            stride_kt,
+            stride_vt,
+            offs_m,
+            offs_d,
+            offs_dv,
+            len_kv,
+            lo,
+            full_lo,
+            left,
+            right,
+            qk_scale,
+            ACT,
+            True,
+            D,
+            DV,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DV,
+            PRECISION,
+        )
+        acc, m_i, l_i = _fwd_tiles(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            k_row0,
+            v_row0,
+            stride_kt,
+            stride_vt,
+            offs_m,
+            offs_d,
+            offs_dv,
+            len_kv,
+            full_lo,
+            full_hi,
+            left,
+            right,
+            qk_scale,
+            ACT,
+            False,
+            D,
+            DV,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DV,
+            PRECISION,
+        )
+        acc, m_i, l_i = _fwd_tiles(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            k_row0,
+            v_row0,
+            stride_kt,
+            stride_vt,
+            offs_m,
+            offs_d,
+            offs_dv,
+            len_kv,
+            full_hi,
+            hi,
+            left,
+            right,
+            qk_scale,
+            ACT,
+            True,
+            D,
+            DV,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DV,
+            PRECISION,
+        )
+        if ACT == 0:
+            empty = l_i == 0.0
+            acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+            lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+            tl.store(LSE + (q_start + offs_m) * n_heads + h, lse, mask=row_ok)
+        else:
+            acc = acc * out_scale
+        o_ptrs = Out + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :]
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))

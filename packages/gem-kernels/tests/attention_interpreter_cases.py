@@ -1,0 +1,175 @@
+"""Runs the attention Triton kernels under ``TRITON_INTERPRET=1`` on many small cases; prints JSON.
+
+Launched in a subprocess by ``test_attention_triton_interpreter.py`` (the interpreter must be switched on
+before triton is first imported, which a pytest process cannot guarantee). For every case it prints the
+relative Frobenius errors of the kernel's output and of its three gradients against the fp64 reference,
+and the same errors of the reference run in the case's dtype (the bound the test scales).
+
+Usage: ``TRITON_INTERPRET=1 python attention_interpreter_cases.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise SystemExit("run with TRITON_INTERPRET=1")
+
+import torch
+
+from gem_kernels import gdpa, jagged_flash_attention, use_backend
+from gem_kernels.attention import triton_attention
+
+ACTS = ("softmax", "silu", "gelu", "relu", "relu2", "identity")
+SELF_MASKS = {
+    "none": (False, None),
+    "causal": (True, None),
+    "window": (False, (5, 3)),
+    "causal_window": (True, (9, 7)),
+}
+# Lengths: empty, 1, non-multiples of every block size, and several tiles (64 = two 32-tiles exactly).
+SELF_LENGTHS = [37, 0, 1, 70, 16, 64]
+
+
+def _offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _call(act, q, k, v, qo, ko, max_q, max_k, causal, window):
+    if act == "softmax":
+        return jagged_flash_attention(
+            q, k, v, qo, ko, max_q_len=max_q, max_kv_len=max_k, causal=causal, window=window
+        )
+    return gdpa(
+        q, k, v, qo, ko, max_q_len=max_q, max_kv_len=max_k, activation=act, causal=causal, window=window
+    )
+
+
+def _rel(a, b):
+    b = b.double()
+    n = b.norm().item()
+    return (a.double() - b).norm().item() / (n if n > 0 else 1.0)
+
+
+def run_case(name, act, lq, lk, causal, window, dtype, d=16, dv=16, blocks=(32, 32), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cross = lk is not None
+    lk_ = lk if cross else lq
+    h = 2
+    q64 = torch.randn(sum(lq), h, d, generator=g, dtype=torch.float64)
+    k64 = torch.randn(sum(lk_), h, d, generator=g, dtype=torch.float64)
+    v64 = torch.randn(sum(lk_), h, dv, generator=g, dtype=torch.float64)
+    # Quantize the inputs first, so that every error below is computation error alone.
+    q64, k64, v64 = (t.to(dtype).double() for t in (q64, k64, v64))
+    qo = _offsets(lq)
+    ko = _offsets(lk_) if cross else None
+    mq, mk = max(lq), (max(lk_) if cross else None)
+    dout = torch.randn(sum(lq), h, dv, generator=g, dtype=torch.float64).to(dtype)
+
+    def grads(q, k, v, backend, blocks_=None):
+        q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        with use_backend(backend):
+            if blocks_ is not None:
+                with triton_attention.force_blocks(*blocks_):
+                    out = _call(act, q, k, v, qo, ko, mq, mk, causal, window)
+                    out.backward(dout.to(out.dtype))
+            else:
+                out = _call(act, q, k, v, qo, ko, mq, mk, causal, window)
+                out.backward(dout.to(out.dtype))
+        return out, q.grad, k.grad, v.grad
+
+    ref = grads(q64, k64, v64, "reference")
+    low = tuple(t.to(dtype) for t in (q64, k64, v64))
+    ref_low = grads(*low, "reference")
+    tri = grads(*low, "triton", blocks)
+    finite = all(bool(torch.isfinite(t).all()) for t in tri)
+    # Queries whose key sequence is empty must output exactly 0 with zero gradient.
+    empty_rows_zero = True
+    if cross:
+        qo_l = qo.tolist()
+        for b, n in enumerate(lk_):
+            if n == 0:
+                rows = slice(qo_l[b], qo_l[b + 1])
+                empty_rows_zero &= bool((tri[0][rows] == 0).all()) and bool((tri[1][rows] == 0).all())
+    return {
+        "name": name,
+        "err": [_rel(a, b) for a, b in zip(tri, ref)],
+        "ref_err": [_rel(a, b) for a, b in zip(ref_low, ref)],
+        "finite": finite,
+        "empty_rows_zero": empty_rows_zero,
+        "dtype": str(dtype),
+    }
+
+
+def cases():
+    out = []
+    for act in ACTS:
+        for mname, (causal, window) in SELF_MASKS.items():
+            out.append((f"self-{act}-{mname}", act, SELF_LENGTHS, None, causal, window, torch.float32))
+    # Cross-attention, long queries / short keys (one key sequence empty), and PMA (few queries, long keys).
+    for act in ("softmax", "silu", "gelu"):
+        out.append((f"cross-{act}", act, [40, 3, 0, 33], [5, 0, 9, 1], False, None, torch.float32))
+        out.append((f"pma-{act}", act, [4, 1, 7, 0], [70, 35, 0, 12], False, None, torch.float32))
+    # fp16 inputs (bf16 arithmetic is wrong in the interpreter; bf16 is tested on the GPU).
+    for act in ("softmax", "silu"):
+        out.append((f"fp16-self-{act}-causal", act, SELF_LENGTHS, None, True, None, torch.float16))
+        out.append((f"fp16-cross-{act}", act, [40, 3, 0, 33], [5, 0, 9, 1], False, None, torch.float16))
+    return out
+
+
+def block_cases():
+    """Asymmetric and head-dim-padding cases: other tile shapes, D and Dv not powers of two."""
+    return [
+        (
+            "blocks16x32-softmax-window",
+            "softmax",
+            SELF_LENGTHS,
+            None,
+            False,
+            (20, 2),
+            torch.float32,
+            16,
+            16,
+            (16, 32),
+        ),
+        ("blocks32x16-silu-causal", "silu", SELF_LENGTHS, None, True, None, torch.float32, 16, 16, (32, 16)),
+        (
+            "blocks64x16-gelu-cross",
+            "gelu",
+            [40, 3, 0, 33],
+            [5, 0, 9, 1],
+            False,
+            None,
+            torch.float32,
+            16,
+            16,
+            (64, 16),
+        ),
+        ("dims24x8-softmax-causal", "softmax", [19, 0, 45], None, True, None, torch.float32, 24, 8, (32, 32)),
+        (
+            "dims12x40-relu2-window",
+            "relu2",
+            [19, 0, 45],
+            None,
+            False,
+            (4, 0),
+            torch.float32,
+            12,
+            40,
+            (32, 32),
+        ),
+    ]
+
+
+def main() -> None:
+    results = []
+    for name, act, lq, lk, causal, window, dtype in cases():
+        results.append(run_case(name, act, lq, lk, causal, window, dtype))
+    for name, act, lq, lk, causal, window, dtype, d, dv, blocks in block_cases():
+        results.append(run_case(name, act, lq, lk, causal, window, dtype, d=d, dv=dv, blocks=blocks))
+    print("JSON:" + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The attention Triton kernels, run on the CPU by the Triton interpreter, against the fp64 reference.
+
+The interpreter has to be on before triton is first imported, so the cases run in one subprocess
+(``attention_interpreter_cases.py``) with ``TRITON_INTERPRET=1``; this module checks what it reports.
+Covered: softmax and every GDPA activation, x no mask / causal / window / causal+window (self-attention),
+cross-attention with short keys and an empty key sequence, PMA (few queries, long keys), fp32 and fp16,
+lengths 0, 1, 16, 37, 64, 70 (non-multiples of the blocks), other tile shapes, and head dims that are not
+powers of two; forward and the three gradients.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+DRIVER = Path(__file__).with_name("attention_interpreter_cases.py")
+# Relative Frobenius error allowed: a few times the error of the reference run in the same dtype (which
+# computes in fp32 and rounds once at the end), plus a floor of a few ulps. The kernels round P and dS to
+# the input dtype once more than the reference and sum in another order, hence the factor.
+FACTOR = 4.0
+FLOOR = {"torch.float32": 1e-6, "torch.float16": 2e-4}
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, str(DRIVER)], env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.split("JSON:", 1)[1])
+
+
+def test_interpreter_cases_match_reference(results):
+    assert len(results) >= 39
+    bad = []
+    for r in results:
+        for what, err, ref in zip(("out", "dq", "dk", "dv"), r["err"], r["ref_err"]):
+            bound = FACTOR * ref + FLOOR[r["dtype"]]
+            if not err <= bound:
+                bad.append(f"{r['name']} {what}: {err:.2e} > {bound:.2e}")
+    assert not bad, "\n".join(bad)
+
+
+def test_interpreter_outputs_finite_and_empty_rows_zero(results):
+    assert all(r["finite"] for r in results), [r["name"] for r in results if not r["finite"]]
+    assert all(r["empty_rows_zero"] for r in results), [
+        r["name"] for r in results if not r["empty_rows_zero"]
+    ]
