@@ -1,7 +1,24 @@
 """gem_precision: MXFP8 / FP8 quantization, low-precision linear layers and precision policies."""
 
+from gem_precision.activations import compress_saved_activations
+from gem_precision.convert import convert, default_skip
+from gem_precision.linear import MXFP8Linear
 from gem_precision.mx import MXTensor, mx_mm, random_hadamard, to_mx
+from gem_precision.recipe import Recipe
+from gem_precision.rowwise import fp8_rowwise_mm, quantize_rowwise
 
 __version__ = "0.1.0"
 
-__all__ = ["MXTensor", "mx_mm", "random_hadamard", "to_mx"]
+__all__ = [
+    "MXFP8Linear",
+    "MXTensor",
+    "Recipe",
+    "compress_saved_activations",
+    "convert",
+    "default_skip",
+    "fp8_rowwise_mm",
+    "mx_mm",
+    "quantize_rowwise",
+    "random_hadamard",
+    "to_mx",
+]

@@ -1,0 +1,194 @@
+"""``MXFP8Linear``: a drop-in ``nn.Linear`` whose three GEMMs run in MXFP8, FP8 row-wise or bf16."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gem_precision.mx import MXTensor, mx_mm, random_hadamard, to_mx
+from gem_precision.recipe import Recipe
+from gem_precision.rowwise import fp8_rowwise_mm
+
+
+class _Quantizer:
+    """Quantizes the operands of one layer's GEMMs per the recipe (the Hadamard matrix is built once)."""
+
+    def __init__(self, recipe: Recipe, device: torch.device) -> None:
+        self.recipe = recipe
+        self.hadamard = (
+            random_hadamard(recipe.block_size, seed=recipe.hadamard_seed, device=device)
+            if recipe.hadamard
+            else None
+        )
+
+    def mx(self, t: torch.Tensor, axis: int, *, grad: bool = False) -> MXTensor:
+        """``t`` (2-D) quantized along ``axis`` (the K of the GEMM it feeds)."""
+        r = self.recipe
+        had = self.hadamard if self.hadamard is not None and t.shape[axis] % r.block_size == 0 else None
+        return to_mx(
+            t,
+            axis=axis,
+            block_size=r.block_size,
+            elem_dtype=r.grad_elem_dtype if grad else r.elem_dtype,
+            scale_mode=r.scale_mode,
+            rounding="stochastic" if grad and r.stochastic_rounding else "nearest",
+            square=r.square_blocks,
+            hadamard=had,
+        )
+
+
+def _gemm(
+    fmt: str,
+    q: _Quantizer,
+    cache: dict,
+    a: tuple[str, torch.Tensor, bool],
+    b: tuple[str, torch.Tensor, bool],
+    *,
+    a_grad: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``A @ B.T`` for ``A [M, K]`` and ``B [N, K]`` given as ``(name, stored, transposed)``: the stored
+    tensor is ``A`` (``B``), or its transpose when ``transposed``.
+
+    ``a_grad`` marks ``A`` as the output gradient (gradient element type, stochastic rounding). MX
+    operands are memoized in ``cache`` by name (and K axis unless square), so a tensor quantized in
+    forward is reused in backward.
+    """
+    (a_name, a_st, a_t), (b_name, b_st, b_t) = a, b
+    r = q.recipe
+    if fmt == "bf16":
+        aa = a_st.t() if a_t else a_st
+        bb = b_st.t() if b_t else b_st
+        return aa.to(out_dtype) @ bb.to(out_dtype).t()
+    if fmt == "fp8_rowwise":
+        return fp8_rowwise_mm(
+            a_st,
+            b_st,
+            a_t=a_t,
+            b_t=b_t,
+            elem_dtype=r.grad_elem_dtype if a_grad else r.elem_dtype,
+            b_elem_dtype=r.elem_dtype,
+            out_dtype=out_dtype,
+            use_fast_accum=r.fp8_fast_accum,
+        )
+    # mxfp8: quantize each stored tensor along K (axis 1 if it is stored [., K], else 0) and take the
+    # transposed MXTensor view where needed: no copies.
+    qa = mx_operand(q, cache, a_name, a_st, 0 if a_t else 1, grad=a_grad)
+    qb = mx_operand(q, cache, b_name, b_st, 0 if b_t else 1, grad=False)
+    return mx_mm(qa.t() if a_t else qa, qb if b_t else qb.t(), out_dtype=out_dtype)
+
+
+def mx_operand(q: _Quantizer, cache: dict, name: str, t: torch.Tensor, axis: int, *, grad: bool) -> MXTensor:
+    key = name if q.recipe.square_blocks else (name, axis)
+    if key not in cache:
+        cache[key] = q.mx(t, axis, grad=grad)
+    return cache[key]
+
+
+class _MXLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe):
+        with torch.autocast(x.device.type, enabled=False):  # our GEMMs choose their own precision
+            return _MXLinearFn._forward(ctx, x, weight, bias, recipe)
+
+    @staticmethod
+    def _forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe):
+        dtype = x.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        w = weight.to(dtype)
+        q = _Quantizer(recipe, x.device)
+        cache: dict = {}
+        # y [M, N] = x [M, K] @ w.T (B = w [N, K]).
+        y = _gemm(recipe.forward, q, cache, ("x", x2, False), ("w", w, False), a_grad=False, out_dtype=dtype)
+        if bias is not None:
+            y = y + bias.to(dtype)
+        if recipe.wgrad == "mxfp8":
+            # Keep x only as FP8 blocked along M (the wgrad K): half the saved bytes of bf16.
+            mx_operand(q, cache, "x", x2, 0, grad=False)
+            saved_x = None
+        else:
+            saved_x = x2
+        ctx.recipe = recipe
+        ctx.has_bias = bias is not None
+        ctx.x_shape = x.shape
+        # Backward reuses the FP8 x along M (wgrad) and, with square tiles, the tiles of w (dgrad).
+        keep = {"w", "x"} if recipe.square_blocks else {("x", 0)}
+        ctx.mx_cache = {k: v for k, v in cache.items() if k in keep}
+        ctx.save_for_backward(saved_x, weight)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        with torch.autocast(dy.device.type, enabled=False):
+            return _MXLinearFn._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy: torch.Tensor):
+        recipe: Recipe = ctx.recipe
+        x2, weight = ctx.saved_tensors
+        dtype = dy.dtype
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        w = weight.to(dtype)
+        q = _Quantizer(recipe, dy.device)
+        cache: dict = ctx.mx_cache
+        ctx.mx_cache = None
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            # dx [M, K] = dy [M, N] @ w [N, K]: this GEMM's K is N; B = w.T, stored as w.
+            dx = _gemm(
+                recipe.dgrad, q, cache, ("dy", dy2, False), ("w", w, True), a_grad=True, out_dtype=dtype
+            )
+            dx = dx.reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            # dw [N, K] = dy.T [N, M] @ x [M, K]: this GEMM's K is M; A = dy.T, B = x.T stored as x.
+            dw = _gemm(
+                recipe.wgrad, q, cache, ("dy", dy2, True), ("x", x2, True), a_grad=True, out_dtype=dtype
+            )
+            dw = dw.to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0).to(weight.dtype)
+        return dx, dw, db, None
+
+
+class MXFP8Linear(nn.Linear):
+    """``nn.Linear`` whose GEMMs follow a :class:`Recipe` (MXFP8 forward and dgrad, bf16 wgrad by default).
+
+    Input ``[..., in_features]`` of any float dtype; the GEMMs produce that dtype (bf16 in training), and
+    parameters are cast to it. Numerics per GEMM: see :class:`Recipe`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        recipe: Recipe | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.recipe = recipe or Recipe()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe | None = None) -> MXFP8Linear:
+        """Wrap an existing ``nn.Linear``; the new module shares its weight and bias Parameters."""
+        new = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, device="meta", recipe=recipe
+        )
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        if self.recipe.gemms == ("bf16", "bf16", "bf16"):
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return _MXLinearFn.apply(x, self.weight, self.bias, self.recipe)
+
+    def extra_repr(self) -> str:
+        r = self.recipe
+        return f"{super().extra_repr()}, forward={r.forward}, dgrad={r.dgrad}, wgrad={r.wgrad}"

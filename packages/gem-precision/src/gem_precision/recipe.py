@@ -1,0 +1,91 @@
+"""``Recipe``: how each of the three GEMMs of a linear layer is computed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gem_precision.formats import SCALE_MODES, elem_format
+
+GEMM_FORMATS = ("mxfp8", "fp8_rowwise", "bf16")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Precision recipe of a linear layer ``y = x @ w.T + b``.
+
+    The three GEMMs are ``forward`` (``y = x @ w.T``, K = in_features), ``dgrad`` (``dx = dy @ w``,
+    K = out_features) and ``wgrad`` (``dw = dy.T @ x``, K = the tokens). Each is one of
+
+    * ``"mxfp8"``: both operands quantized to MX along that GEMM's K (32-element blocks, E8M0 scales),
+      multiplied exactly by :func:`gem_precision.mx_mm`;
+    * ``"fp8_rowwise"``: both operands quantized to FP8 with one fp32 scale per row along K, multiplied by
+      ``torch._scaled_mm`` on CUDA (sm89+) or an emulation of the same numerics elsewhere;
+    * ``"bf16"``: not quantized; computed in the dtype of the inputs (bf16 in mixed-precision training).
+
+    Attributes:
+        forward, dgrad, wgrad: format of each GEMM (see above).
+        elem_dtype: FP8 element type of activations and weights.
+        grad_elem_dtype: FP8 element type of the output gradient (E4M3 by default, as in NVIDIA's and
+            torchao's MXFP8 recipes: E5M2 gradients diverged in Megatron).
+        scale_mode: MX scale rounding, ``"rceil"`` (nothing saturates) or ``"floor"``.
+        stochastic_rounding: round the output gradient stochastically in MXFP8 GEMMs (unbiased with
+            ``"rceil"``); activations and weights are always rounded to nearest.
+        hadamard: apply a random Hadamard transform (seeded by ``hadamard_seed``) to every 32-element K
+            block of both operands of MXFP8 GEMMs (it cancels in the product and spreads outliers). A GEMM
+            whose K is not a multiple of 32 runs without it.
+        square_blocks: quantize x, w and dy once in 32x32 tiles and reuse them transposed in backward,
+            instead of re-quantizing along each GEMM's K in 1x32 blocks (less work, coarser scales).
+        fp8_fast_accum: ``use_fast_accum`` of ``torch._scaled_mm`` for the fp8_rowwise GEMMs.
+        block_size: MX block size.
+    """
+
+    forward: str = "mxfp8"
+    dgrad: str = "mxfp8"
+    wgrad: str = "bf16"
+    elem_dtype: torch.dtype = torch.float8_e4m3fn
+    grad_elem_dtype: torch.dtype = torch.float8_e4m3fn
+    scale_mode: str = "rceil"
+    stochastic_rounding: bool = False
+    hadamard: bool = False
+    hadamard_seed: int = 0
+    square_blocks: bool = False
+    fp8_fast_accum: bool = True
+    block_size: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "dgrad", "wgrad"):
+            if getattr(self, name) not in GEMM_FORMATS:
+                raise ValueError(f"Recipe.{name} must be one of {GEMM_FORMATS}, got {getattr(self, name)!r}")
+        elem_format(self.elem_dtype)
+        elem_format(self.grad_elem_dtype)
+        if self.scale_mode not in SCALE_MODES:
+            raise ValueError(f"Recipe.scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
+        if self.hadamard and self.square_blocks:
+            raise ValueError("Recipe: hadamard and square_blocks cannot be combined")
+
+    @property
+    def gemms(self) -> tuple[str, str, str]:
+        return (self.forward, self.dgrad, self.wgrad)
+
+    @classmethod
+    def mxfp8(cls, **overrides) -> Recipe:
+        """The default: MXFP8 forward and dgrad, wgrad in bf16 (weight gradients have the worst outliers:
+        GEM keeps them in higher precision)."""
+        return cls(**overrides)
+
+    @classmethod
+    def mxfp8_all(cls, **overrides) -> Recipe:
+        """All three GEMMs in MXFP8."""
+        return cls(**{"wgrad": "mxfp8", **overrides})
+
+    @classmethod
+    def fp8_rowwise(cls, **overrides) -> Recipe:
+        """All three GEMMs in FP8 with per-row scales (the Hopper-speed recipe)."""
+        return cls(**{"forward": "fp8_rowwise", "dgrad": "fp8_rowwise", "wgrad": "fp8_rowwise", **overrides})
+
+    @classmethod
+    def bf16(cls) -> Recipe:
+        """No quantization (a reference point)."""
+        return cls(forward="bf16", dgrad="bf16", wgrad="bf16")

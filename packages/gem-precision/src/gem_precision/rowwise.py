@@ -1,0 +1,106 @@
+"""FP8 GEMMs with one fp32 scale per row along K (``torch._scaled_mm`` on CUDA, emulated elsewhere)."""
+
+from __future__ import annotations
+
+import torch
+
+from gem_precision.formats import elem_format
+
+# Row maxima below this are treated as this, so all-zero rows get a finite scale.
+_AMAX_EPS = 1e-12
+
+
+def quantize_rowwise_reference(
+    x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row of ``x [R, C]`` to FP8 with an fp32 scale ``amax / max_elem``.
+
+    Returns:
+        ``(data [R, C] elem_dtype, scale [R, 1] fp32)`` with ``x ~= data * scale``. Non-finite values
+        propagate as NaN (the scale becomes NaN or inf).
+    """
+    fmt = elem_format(elem_dtype)
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=_AMAX_EPS)
+    scale = amax / fmt.max_value
+    data = (xf / scale).clamp(-fmt.max_value, fmt.max_value).to(elem_dtype)
+    return data, scale
+
+
+def quantize_rowwise(
+    x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e4m3fn, *, transpose: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise FP8 quantization of ``x [R, C]``, or of ``x.T`` (without materializing it) if ``transpose``.
+
+    Returns:
+        ``(data, scale)``: data ``[R, C]`` (``[C, R]`` with ``transpose``), contiguous, ``elem_dtype``;
+        scale ``[rows, 1]`` fp32.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rowwise needs a 2-D tensor, got shape {tuple(x.shape)}")
+    if x.is_cuda:
+        from gem_precision import triton_rowwise
+
+        return triton_rowwise.quantize_rowwise_triton(x, elem_format(elem_dtype), transpose=transpose)
+    return quantize_rowwise_reference(x.t() if transpose else x, elem_dtype)
+
+
+def _scaled_mm_supported(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
+def scaled_mm_rowwise(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    use_fast_accum: bool = True,
+) -> torch.Tensor:
+    """``(a * a_scale) @ (b * b_scale).T`` for row-wise quantized ``a [M, K]`` and ``b [N, K]``.
+
+    Args:
+        a: ``[M, K]`` FP8, row-major. a_scale: ``[M, 1]`` fp32.
+        b: ``[N, K]`` FP8, row-major (passed to ``torch._scaled_mm`` as the column-major ``b.T``).
+        b_scale: ``[N, 1]`` fp32.
+
+    Returns:
+        ``[M, N]`` of ``out_dtype``. On CUDA sm89+ through ``torch._scaled_mm`` (K and N must be multiples
+        of 16); elsewhere emulated in fp32.
+    """
+    if _scaled_mm_supported(a):
+        k, n = a.shape[1], b.shape[0]
+        if k % 16 or n % 16:
+            raise ValueError(f"fp8_rowwise on CUDA needs K and N divisible by 16, got K={k}, N={n}")
+        return torch._scaled_mm(
+            a,
+            b.t(),
+            scale_a=a_scale,
+            scale_b=b_scale.reshape(1, -1),
+            out_dtype=out_dtype,
+            use_fast_accum=use_fast_accum,
+        )
+    return ((a.to(torch.float32) * a_scale) @ (b.to(torch.float32) * b_scale).t()).to(out_dtype)
+
+
+def fp8_rowwise_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    a_t: bool = False,
+    b_t: bool = False,
+    elem_dtype: torch.dtype = torch.float8_e4m3fn,
+    b_elem_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    use_fast_accum: bool = True,
+) -> torch.Tensor:
+    """``A @ B.T`` with ``A = a.T if a_t else a`` (``[M, K]``) and ``B = b.T if b_t else b`` (``[N, K]``),
+    both quantized to FP8 per row along K (the quantizer transposes on the fly).
+
+    Returns:
+        ``[M, N]`` of ``out_dtype``.
+    """
+    qa, sa = quantize_rowwise(a, elem_dtype, transpose=a_t)
+    qb, sb = quantize_rowwise(b, b_elem_dtype or elem_dtype, transpose=b_t)
+    return scaled_mm_rowwise(qa, sa, qb, sb, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
