@@ -16,10 +16,18 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from gem_kernels._checks import check_offsets, check_same, check_values
+from gem_kernels._dispatch import use_triton
 from gem_kernels.block_reference import block_attention_backward_reference, block_attention_reference
 from gem_kernels.rotary import Rotary, check_rotary_args
 
 __all__ = ["block_attention"]
+
+
+def _use_kernel(q: torch.Tensor, v: torch.Tensor, block_size: int) -> bool:
+    # The kernel holds a whole block of q, k, v (and O, dO in the backward) in registers; fp64 and
+    # larger shapes take the reference.
+    supported = q.dtype != torch.float64 and block_size <= 128 and q.shape[-1] <= 256 and v.shape[-1] <= 256
+    return supported and use_triton(q)
 
 
 @torch.library.custom_op("gem_kernels::block_attention", mutates_args=())
@@ -36,6 +44,12 @@ def _block_attention_op(
     base: float,
     use_rotary: bool,
 ) -> torch.Tensor:
+    if _use_kernel(q, v, block_size):
+        from gem_kernels.block_triton import block_attention_fwd
+
+        return block_attention_fwd(
+            q, k, v, offsets, max_seq_len, block_size, causal, scale, positions, base, use_rotary
+        )
     return block_attention_reference(q, k, v, offsets, block_size, causal, scale, positions, base, use_rotary)
 
 
@@ -62,6 +76,24 @@ def _block_attention_backward_op(
     base: float,
     use_rotary: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_kernel(q, v, block_size):
+        from gem_kernels.block_triton import block_attention_bwd
+
+        return block_attention_bwd(
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            offsets,
+            max_seq_len,
+            block_size,
+            causal,
+            scale,
+            positions,
+            base,
+            use_rotary,
+        )
     return block_attention_backward_reference(
         grad_out, q, k, v, offsets, block_size, causal, scale, positions, base, use_rotary
     )

@@ -23,7 +23,7 @@ import torch
 
 from gem_kernels import jagged_reference as ref
 from gem_kernels._checks import FLOAT_DTYPES, check_offsets, check_same, debug_enabled
-from gem_kernels._dispatch import get_backend
+from gem_kernels._dispatch import get_backend, use_triton
 
 __all__ = [
     "jagged_concat",
@@ -56,6 +56,10 @@ def _jagged_to_padded_op(
     fb = _fbgemm_op("jagged_to_padded_dense", values)
     if fb is not None:
         return fb(values, [offsets.long()], [max_len], padding_value)
+    if values.dtype != torch.float64 and use_triton(values):
+        from gem_kernels.jagged_triton import jagged_to_padded_triton
+
+        return jagged_to_padded_triton(values, offsets, max_len, padding_value)
     return ref.jagged_to_padded(values, offsets, max_len, padding_value)
 
 
@@ -69,6 +73,10 @@ def _padded_to_jagged_op(padded: torch.Tensor, offsets: torch.Tensor, total: int
     fb = _fbgemm_op("dense_to_jagged", padded)
     if fb is not None:
         return fb(padded, [offsets.long()], total)[0]
+    if padded.dtype != torch.float64 and use_triton(padded):
+        from gem_kernels.jagged_triton import padded_to_jagged_triton
+
+        return padded_to_jagged_triton(padded, offsets, total)
     return ref.padded_to_jagged(padded, offsets, total)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from gem_kernels._checks import check_offsets, check_values
+from gem_kernels._dispatch import use_triton
 from gem_kernels.block_reference import rotary_reference
 
 __all__ = ["Rotary", "apply_rotary"]
@@ -59,6 +60,10 @@ def check_rotary_args(name: str, positions: torch.Tensor | None, base: float, x:
 def _apply_rotary_op(
     x: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor | None, base: float, inverse: bool
 ) -> torch.Tensor:
+    if x.dtype != torch.float64 and use_triton(x):
+        from gem_kernels.rotary_triton import rotary_triton
+
+        return rotary_triton(x, offsets, positions, base, inverse)
     return rotary_reference(x, offsets, positions, base, inverse)
 
 

@@ -1,0 +1,266 @@
+"""Triton kernels of block attention, forward and backward, with rotary embeddings fused in.
+
+One program per (block, head) tile (or per block and ``HEAD_GROUP`` heads, which then share the rotary
+angles): it loads its block of q, k, v (at most ``block_size`` tokens) once, computes the whole
+``S = q k^T`` tile, softmax and ``P v`` and stores once. Because a block never spans
+more than one tile there is no loop over key tiles, no online-softmax rescaling, no log-sum-exp written to
+HBM (the backward recomputes the row max and sum), and ``Di = rowsum(dO * O)`` is computed inline.
+
+Scheduling: ``block_starts[b]`` (an exclusive prefix sum of the per-sequence block counts, on the device)
+maps program ``pid`` to its sequence by a branchless binary search; the grid is an upper bound on the
+block count (``ceil(total / block_size) + B``, no host sync), and the few spare programs exit at once.
+No program touches padding.
+
+Rotary (half-split convention, see :mod:`gem_kernels.rotary`): q and k are loaded as two halves
+``x1 = x[:, :D/2]``, ``x2 = x[:, D/2:]``, rotated in fp32 registers and rounded once to the input dtype
+for the tensor-core dots, so ``S = q1 k1^T + q2 k2^T``. The backward applies the inverse rotation to dQ and
+dK in fp32 before their single rounding. The same half split is used without rotary (it also serves odd D).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_kernels.block_reference import inv_frequencies
+
+# Launch settings, chosen on the H200 (see BENCHMARKS.md); module attributes, so a benchmark can
+# override them. HEAD_GROUP heads share one program (and its rotary angles) when it divides H.
+FWD_WARPS = 4
+BWD_WARPS = 8
+NUM_STAGES = 1
+HEAD_GROUP = 1
+
+
+@triton.jit
+def _sequence_of_block(block_starts_ptr, pid, B, LOG_B: tl.constexpr):
+    """Largest b < B with block_starts[b] <= pid (empty sequences own no block, so it is pid's)."""
+    b = pid * 0
+    for i in tl.static_range(LOG_B):
+        cand = b + (1 << (LOG_B - 1 - i))
+        start = tl.load(block_starts_ptr + cand, mask=cand < B, other=2147483647)
+        b = tl.where(start <= pid, cand, b)
+    return b
+
+
+@triton.jit
+def _cos_sin(angle):
+    """cos and sin of fp32 angles after a two-constant reduction to [-pi, pi] (angles reach thousands
+    of radians for long sequences; the hardware approximations are accurate only near zero)."""
+    k = tl.floor(angle * 0.15915494309189535 + 0.5)
+    # 2*pi = 6.28125 + 0.0019353071795864769; k * 6.28125 is exact for k < 2**15.
+    r = (angle - k * 6.28125) - k * 0.0019353071795864769
+    return tl.cos(r), tl.sin(r)
+
+
+@triton.jit
+def _block_coords(offsets_ptr, block_starts_ptr, pid, B, BLOCK: tl.constexpr, LOG_B: tl.constexpr):
+    """(first token of the block, tokens in it, position of its first token in the sequence)."""
+    b = _sequence_of_block(block_starts_ptr, pid, B, LOG_B)
+    seq_start = tl.load(offsets_ptr + b).to(tl.int64)
+    seq_len = tl.load(offsets_ptr + b + 1).to(tl.int64) - seq_start
+    first = (pid - tl.load(block_starts_ptr + b)).to(tl.int64) * BLOCK
+    n = tl.minimum(seq_len - first, BLOCK)
+    return seq_start + first, n, first
+
+
+@triton.jit
+def _rotation(positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, d_ok, HAS_POS: tl.constexpr):
+    """cos, sin ``[TILE, HALF_P]`` of the rotary angles of the block's tokens."""
+    if HAS_POS:
+        pos = tl.load(positions_ptr + tok, mask=row_ok, other=0.0)
+    else:
+        pos = (first + rows).to(tl.float32)
+    freq = tl.load(inv_freq_ptr + d, mask=d_ok, other=0.0)
+    return _cos_sin(pos[:, None] * freq[None, :])
+
+
+@triton.jit
+def _load_halves(ptr, tok, h, stride_t, stride_h, d, mask1, mask2, HALF: tl.constexpr):
+    base = ptr + tok[:, None] * stride_t + h * stride_h + d[None, :]
+    return tl.load(base, mask=mask1, other=0.0), tl.load(base + HALF, mask=mask2, other=0.0)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    """Rotate the half pair in fp32 and round once back to the input dtype."""
+    dt = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    return (x1 * cos - x2 * sin).to(dt), (x2 * cos + x1 * sin).to(dt)
+
+
+@triton.jit
+def _probabilities(q1, q2, k1, k2, rows, n, scale_log2e, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Softmax of the block's scores, ``[TILE, TILE]`` fp32; masked keys get exactly 0."""
+    s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+    s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+    keep = (rows < n)[None, :]
+    if CAUSAL:
+        keep = keep & (rows[:, None] >= rows[None, :])
+    # Key 0 of a block is always kept, so every row has a finite max.
+    s = tl.where(keep, s * scale_log2e, float("-inf"))
+    p = tl.exp2(s - tl.max(s, 1)[:, None])
+    return p / tl.sum(p, 1)[:, None]
+
+
+@triton.jit
+def _block_attention_fwd(
+    Q, K, V, Out, offsets_ptr, block_starts_ptr, positions_ptr, inv_freq_ptr,
+    B, stride_qt, stride_qh, stride_vt, stride_vh, scale_log2e,
+    D: tl.constexpr, DV: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, DV_P: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, LOG_B: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr, ROTARY: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if pid >= tl.load(block_starts_ptr + B):
+        return
+    tok0, n, first = _block_coords(offsets_ptr, block_starts_ptr, pid, B, BLOCK, LOG_B)
+    rows = tl.arange(0, TILE)
+    row_ok = rows < n
+    tok = tok0 + rows
+    d = tl.arange(0, HALF_P)
+    mask1 = row_ok[:, None] & (d < HALF)[None, :]
+    mask2 = row_ok[:, None] & (d + HALF < D)[None, :]
+    dv = tl.arange(0, DV_P)
+    vmask = row_ok[:, None] & (dv < DV)[None, :]
+    if ROTARY:
+        # The angles depend on the token only: computed once for the program's heads.
+        cos, sin = _rotation(positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, d < HALF, HAS_POS)
+    for hh in tl.static_range(HEAD_GROUP):
+        h = tl.program_id(1) * HEAD_GROUP + hh
+        q1, q2 = _load_halves(Q, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
+        k1, k2 = _load_halves(K, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
+        if ROTARY:
+            q1, q2 = _rotate(q1, q2, cos, sin)
+            k1, k2 = _rotate(k1, k2, cos, sin)
+        p = _probabilities(q1, q2, k1, k2, rows, n, scale_log2e, CAUSAL, PRECISION)
+        v_off = tok[:, None] * stride_vt + h * stride_vh + dv[None, :]
+        v = tl.load(V + v_off, mask=vmask, other=0.0)
+        o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        tl.store(Out + v_off, o.to(v.dtype), mask=vmask)
+
+
+@triton.jit
+def _block_attention_bwd(
+    Q, K, V, Out, DO, DQ, DK, DV, offsets_ptr, block_starts_ptr, positions_ptr, inv_freq_ptr,
+    B, stride_qt, stride_qh, stride_vt, stride_vh, scale_log2e, scale,
+    D: tl.constexpr, DVD: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, DV_P: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, LOG_B: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr, ROTARY: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if pid >= tl.load(block_starts_ptr + B):
+        return
+    tok0, n, first = _block_coords(offsets_ptr, block_starts_ptr, pid, B, BLOCK, LOG_B)
+    rows = tl.arange(0, TILE)
+    row_ok = rows < n
+    tok = tok0 + rows
+    d = tl.arange(0, HALF_P)
+    mask1 = row_ok[:, None] & (d < HALF)[None, :]
+    mask2 = row_ok[:, None] & (d + HALF < D)[None, :]
+    dv = tl.arange(0, DV_P)
+    vmask = row_ok[:, None] & (dv < DVD)[None, :]
+    if ROTARY:
+        cos, sin = _rotation(positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, d < HALF, HAS_POS)
+    for hh in tl.static_range(HEAD_GROUP):
+        h = tl.program_id(1) * HEAD_GROUP + hh
+        q1, q2 = _load_halves(Q, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
+        k1, k2 = _load_halves(K, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
+        if ROTARY:
+            q1, q2 = _rotate(q1, q2, cos, sin)
+            k1, k2 = _rotate(k1, k2, cos, sin)
+        dt = q1.dtype
+        p = _probabilities(q1, q2, k1, k2, rows, n, scale_log2e, CAUSAL, PRECISION)
+        v_off = tok[:, None] * stride_vt + h * stride_vh + dv[None, :]
+        v = tl.load(V + v_off, mask=vmask, other=0.0)
+        do = tl.load(DO + v_off, mask=vmask, other=0.0)
+        o = tl.load(Out + v_off, mask=vmask, other=0.0)
+        # Di inline: the block's own rows are all there is, so no preprocessing kernel.
+        di = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        dv_acc = tl.dot(tl.trans(p.to(dt)), do, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = (p * (dp - di[:, None])).to(dt)
+        dq1 = tl.dot(ds, k1, input_precision=PRECISION) * scale
+        dq2 = tl.dot(ds, k2, input_precision=PRECISION) * scale
+        dk1 = tl.dot(tl.trans(ds), q1, input_precision=PRECISION) * scale
+        dk2 = tl.dot(tl.trans(ds), q2, input_precision=PRECISION) * scale
+        if ROTARY:
+            # The transpose of the rotation, in fp32, before the one rounding to the output dtype.
+            dq1, dq2 = dq1 * cos + dq2 * sin, dq2 * cos - dq1 * sin
+            dk1, dk2 = dk1 * cos + dk2 * sin, dk2 * cos - dk1 * sin
+        qk_off = tok[:, None] * stride_qt + h * stride_qh + d[None, :]
+        tl.store(DQ + qk_off, dq1.to(dt), mask=mask1)
+        tl.store(DQ + qk_off + HALF, dq2.to(dt), mask=mask2)
+        tl.store(DK + qk_off, dk1.to(dt), mask=mask1)
+        tl.store(DK + qk_off + HALF, dk2.to(dt), mask=mask2)
+        tl.store(DV + v_off, dv_acc.to(dt), mask=vmask)
+
+
+def _launch_args(q, v, offsets, max_seq_len, block_size, positions, base, use_rotary):
+    """Grid, schedule tensors and constexprs shared by the forward and backward launches."""
+    total, heads, d = q.shape
+    batch = offsets.numel() - 1
+    lengths = offsets[1:] - offsets[:-1]
+    counts = (lengths + block_size - 1) // block_size
+    # block_starts[b] = blocks before sequence b; block_starts[B] = all blocks (read by the kernel).
+    block_starts = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
+    block_starts[1:] = torch.cumsum(counts, 0)
+    # Upper bound without a sync: each sequence adds at most one partial block.
+    num_programs = min(triton.cdiv(total, block_size) + batch, batch * triton.cdiv(max_seq_len, block_size))
+    half = (d + 1) // 2
+    if use_rotary:
+        inv_freq = inv_frequencies(d, base, torch.float32, q.device)
+        pos = positions.to(torch.float32).contiguous() if positions is not None else inv_freq
+    else:
+        inv_freq = pos = block_starts  # unused pointers
+    meta = dict(
+        D=d, HALF=half, HALF_P=max(16, triton.next_power_of_2(half)),
+        DV_P=max(16, triton.next_power_of_2(v.shape[-1])),
+        BLOCK=block_size, TILE=max(16, triton.next_power_of_2(block_size)),
+        LOG_B=max(1, math.ceil(math.log2(max(batch, 1)))),
+        ROTARY=use_rotary, HAS_POS=positions is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    group = HEAD_GROUP if heads % HEAD_GROUP == 0 else 1
+    meta["HEAD_GROUP"] = group
+    return (max(num_programs, 0), heads // group), block_starts, pos, inv_freq, meta
+
+
+def block_attention_fwd(
+    q, k, v, offsets, max_seq_len, block_size, causal, scale, positions, base, use_rotary
+):
+    """Forward launch: q, k ``[total, H, D]``, v ``[total, H, Dv]`` contiguous -> ``[total, H, Dv]``."""
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=v.dtype, device=q.device)
+    grid, block_starts, pos, inv_freq, meta = _launch_args(
+        q, v, offsets, max_seq_len, block_size, positions, base, use_rotary
+    )
+    if grid[0] == 0 or q.shape[0] == 0:
+        return out
+    _block_attention_fwd[grid](
+        q, k, v, out, offsets, block_starts, pos, inv_freq,
+        offsets.numel() - 1, q.stride(0), q.stride(1), v.stride(0), v.stride(1), scale * 1.4426950408889634,
+        DV=v.shape[2], CAUSAL=causal, num_warps=FWD_WARPS, num_stages=NUM_STAGES, **meta,
+    )  # fmt: skip
+    return out
+
+
+def block_attention_bwd(
+    grad_out, q, k, v, out, offsets, max_seq_len, block_size, causal, scale, positions, base, use_rotary
+):
+    """Backward launch: ``(dq, dk, dv)`` in the input dtype."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    grid, block_starts, pos, inv_freq, meta = _launch_args(
+        q, v, offsets, max_seq_len, block_size, positions, base, use_rotary
+    )
+    if grid[0] == 0 or q.shape[0] == 0:
+        return dq, dk, dv
+    _block_attention_bwd[grid](
+        q, k, v, out, grad_out, dq, dk, dv, offsets, block_starts, pos, inv_freq,
+        offsets.numel() - 1, q.stride(0), q.stride(1), v.stride(0), v.stride(1),
+        scale * 1.4426950408889634, scale,
+        DVD=v.shape[2], CAUSAL=causal, num_warps=BWD_WARPS, num_stages=NUM_STAGES, **meta,
+    )  # fmt: skip
+    return dq, dk, dv

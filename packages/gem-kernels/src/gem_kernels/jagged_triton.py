@@ -1,0 +1,92 @@
+"""Triton kernels for jagged <-> padded dense copies (one read and one write per element).
+
+``jagged_to_padded``: program (sequence, row tile) copies its rows and writes the padding, so every
+element of the padded output is written once. ``padded_to_jagged``: program (token tile) finds each
+token's sequence by a vectorised binary search over the offsets and gathers its row (0 past ``N``), so
+the grid follows the host-known ``total`` and no program works on padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 16
+
+
+def _block_f(feat: int) -> int:
+    return min(triton.next_power_of_2(max(feat, 1)), 1024)
+
+
+@triton.jit
+def _jagged_to_padded_kernel(
+    V, P, offsets_ptr, max_len, F, padding_value, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr
+):
+    b = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.load(offsets_ptr + b).to(tl.int64)
+    n = tl.load(offsets_ptr + b + 1).to(tl.int64) - start
+    src_ok = rows < n
+    dst_ok = rows < max_len
+    src = (start + rows)[:, None] * F
+    dst = (b.to(tl.int64) * max_len + rows)[:, None] * F
+    for f0 in range(0, F, BLOCK_F):
+        cols = f0 + tl.arange(0, BLOCK_F)
+        col_ok = (cols < F)[None, :]
+        x = tl.load(V + src + cols[None, :], mask=src_ok[:, None] & col_ok, other=padding_value)
+        tl.store(P + dst + cols[None, :], x, mask=dst_ok[:, None] & col_ok)
+
+
+@triton.jit
+def _padded_to_jagged_kernel(
+    P, V, offsets_ptr, B, N, total, F,
+    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, LOG_B: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tok_ok = tok < total
+    # Sequence of each token: the largest b < B with offsets[b] <= tok (skips empty sequences).
+    seg = tl.zeros([BLOCK_N], dtype=tl.int64)
+    for i in tl.static_range(LOG_B):
+        cand = seg + (1 << (LOG_B - 1 - i))
+        start = tl.load(offsets_ptr + cand, mask=cand < B, other=total).to(tl.int64)
+        seg = tl.where(start <= tok, cand, seg)
+    pos = tok - tl.load(offsets_ptr + seg, mask=tok_ok, other=0).to(tl.int64)
+    src_ok = tok_ok & (pos < N)
+    src = (seg * N + pos)[:, None] * F
+    dst = tok[:, None] * F
+    for f0 in range(0, F, BLOCK_F):
+        cols = f0 + tl.arange(0, BLOCK_F)
+        col_ok = (cols < F)[None, :]
+        x = tl.load(P + src + cols[None, :], mask=src_ok[:, None] & col_ok, other=0.0)
+        tl.store(V + dst + cols[None, :], x, mask=tok_ok[:, None] & col_ok)
+
+
+def jagged_to_padded_triton(values, offsets, max_len: int, padding_value: float) -> torch.Tensor:
+    """values ``[total, F]`` contiguous -> ``[B, max_len, F]``."""
+    batch = offsets.numel() - 1
+    feat = values.shape[1]
+    out = torch.empty(batch, max_len, feat, dtype=values.dtype, device=values.device)
+    if out.numel() == 0:
+        return out
+    grid = (batch, triton.cdiv(max_len, BLOCK_N))
+    _jagged_to_padded_kernel[grid](
+        values, out, offsets, max_len, feat, padding_value, BLOCK_N=BLOCK_N, BLOCK_F=_block_f(feat)
+    )
+    return out
+
+
+def padded_to_jagged_triton(padded, offsets, total: int) -> torch.Tensor:
+    """padded ``[B, N, F]`` contiguous -> ``[total, F]`` (0 for positions ``>= N``)."""
+    batch, n, feat = padded.shape
+    out = torch.empty(total, feat, dtype=padded.dtype, device=padded.device)
+    if out.numel() == 0:
+        return out
+    grid = (triton.cdiv(total, BLOCK_N),)
+    _padded_to_jagged_kernel[grid](
+        padded, out, offsets, batch, n, total, feat,
+        BLOCK_N=BLOCK_N, BLOCK_F=_block_f(feat), LOG_B=max(1, math.ceil(math.log2(max(batch, 1)))),
+    )  # fmt: skip
+    return out
