@@ -125,14 +125,24 @@ def _to_mx_kernel(
     tl.store(data_ptr + rows[:, None] * C + cols[None, :], bits.to(tl.uint8), mask=mask)
 
 
-def _tile(layout: int, block: int, hadamard: bool) -> tuple[int, int]:
-    """(BR, BC): ~8K elements per program on GPU (64 KB of fp32 values in registers across 8 warps);
-    fewer, larger programs under the interpreter."""
+# Tile (BR, BC, num_warps) per layout; the benchmark may override these after measuring.
+TILES: dict[int, tuple[int, int, int]] = {
+    _ALONG_COLS: (32, 128, 4),
+    _ALONG_ROWS: (64, 64, 4),
+    _SQUARE: (64, 64, 4),
+}
+
+
+def _tile(layout: int, block: int, hadamard: bool) -> tuple[int, int, int]:
+    """(BR, BC, num_warps) of the quantization kernel: the blocked side a multiple of ``block``; with
+    the Hadamard transform exactly ``block`` (one tl.dot with the [block, block] matrix per tile)."""
+    # Under the interpreter: few large programs (each launch step costs milliseconds).
+    br, bc, warps = (64, 64, 1) if interpreting() else TILES[layout]
     if layout == _ALONG_COLS:
-        return (64, block) if hadamard else (32, max(block, 128))
+        return (max(br, 16), block, warps) if hadamard else (br, max(bc, block) // block * block, warps)
     if layout == _ALONG_ROWS:
-        return (block, 64) if hadamard else (max(block, 64), 64)
-    return (max(block, 64), max(block, 64))
+        return (block, max(bc, 16), warps) if hadamard else (max(br, block) // block * block, bc, warps)
+    return (max(br, block) // block * block, max(bc, block) // block * block, warps)
 
 
 def _to_mx_2d(
@@ -146,7 +156,7 @@ def _to_mx_2d(
     scale = torch.empty(sshape, dtype=torch.uint8, device=x.device)
     if x.numel() == 0:
         return data.view(fmt.dtype), scale
-    br, bc = _tile(layout, block, hadamard is not None)
+    br, bc, warps = _tile(layout, block, hadamard is not None)
     grid = (triton.cdiv(r, br), triton.cdiv(c, bc))
     _to_mx_kernel[grid](
         x, hadamard if hadamard is not None else x, data, scale,
@@ -154,7 +164,7 @@ def _to_mx_2d(
         LAYOUT=layout, BLOCK=block, BR=br, BC=bc,
         EMAX=fmt.emax, MBITS=fmt.mbits, BIAS=fmt.bias, MAXV=fmt.max_value, NANB=fmt.nan_bits,
         RCEIL=scale_mode == "rceil", STOCHASTIC=seed is not None, HADAMARD=hadamard is not None,
-        num_warps=8 if not interpreting() else 1,
+        num_warps=warps,
     )  # fmt: skip
     return data.view(fmt.dtype), scale
 
@@ -263,8 +273,10 @@ def _mx_mm_kernel(
              mask=(rm[:, None] < M) & (rn[None, :] < N))  # fmt: skip
 
 
-# Variant used on GPUs; set by the benchmark from measurements (see BENCHMARKS.md).
+# Kernel variant and (BM, BN, BK, num_warps, num_stages) used on GPUs, from the H200 measurements in
+# BENCHMARKS.md; MX_MM_CONFIG None picks the default of the variant.
 MX_MM_BF16_DOT = True
+MX_MM_CONFIG: tuple[int, int, int, int, int] | None = None
 
 
 def mx_mm_triton(
@@ -293,6 +305,8 @@ def mx_mm_triton(
     if config is None:
         if interpreting():
             config = (32, 32, max(block, 64), 1, 1)
+        elif MX_MM_CONFIG is not None:
+            config = MX_MM_CONFIG
         else:
             config = (128, 128, 64 if bf16_dot else 128, 8, 3)
     bm, bn, bk, warps, stages = config
