@@ -74,6 +74,18 @@ class JaggedSequence:
             timestamps=self.timestamps.to(device, non_blocking=non_blocking),
         )
 
+    def select(self, indices: Tensor) -> JaggedSequence:
+        """The sequences of users ``indices`` (``[n]`` int64), in that order; ``max_len`` is kept."""
+        lengths = self.lengths[indices]
+        starts = self.offsets[:-1][indices]
+        offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+        rows = torch.repeat_interleave(starts - offsets[:-1], lengths) + torch.arange(
+            int(offsets[-1]), device=lengths.device
+        )
+        return JaggedSequence(
+            offsets, self.max_len, self.item_ids[rows], self.action_ids[rows], self.timestamps[rows]
+        )
+
     def pin_memory(self) -> JaggedSequence:
         return JaggedSequence(
             offsets=self.offsets.pin_memory(),
@@ -117,6 +129,30 @@ class GemBatch:
             request_time=self.request_time.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
             label_mask=self.label_mask.to(device, non_blocking=non_blocking),
+        )
+
+    def select(self, indices: Tensor | list[int]) -> GemBatch:
+        """The sub-batch of samples ``indices`` (in that order), e.g. to split a batch or test isolation."""
+        idx = torch.as_tensor(indices, dtype=torch.int64, device=self.dense.device)
+        keys, values, lengths = self.sparse.keys(), [], []
+        for key in keys:
+            jt = self.sparse[key]
+            sub = JaggedSequence(jt.offsets(), 0, jt.values(), jt.values(), jt.values()).select(idx)
+            values.append(sub.item_ids)
+            lengths.append(sub.lengths)
+        sparse = KeyedJaggedTensor(
+            keys=keys,
+            values=torch.cat(values) if values else self.sparse.values()[:0],
+            lengths=torch.cat(lengths) if lengths else self.sparse.lengths()[:0],
+            stride=idx.numel(),
+        )
+        return GemBatch(
+            dense=self.dense[idx],
+            sparse=sparse,
+            sequences={k: s.select(idx) for k, s in self.sequences.items()},
+            request_time=self.request_time[idx],
+            labels=self.labels[idx],
+            label_mask=self.label_mask[idx],
         )
 
     def pin_memory(self) -> GemBatch:

@@ -1,0 +1,108 @@
+"""Embedding tables as TorchRec collections, so gem-parallel can shard them.
+
+- ``bags``: an EmbeddingBagCollection with one sum-pooled table per sparse feature (table ``t_<name>``,
+  feature ``<name>``), fed the batch's KeyedJaggedTensor as it is.
+- ``sequences``: an EmbeddingCollection with an item table and an action table per sequence (tables
+  ``t_<seq>_item`` / ``t_<seq>_action``, features ``<seq>.item`` / ``<seq>.action``).
+
+Unsharded, both are plain PyTorch modules; gem-parallel swaps them for sharded ones without the model
+noticing, because the model only calls them with KeyedJaggedTensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from gem_model.batch import GemBatch
+from gem_model.config import GemConfig
+
+__all__ = ["GemEmbeddings", "sequence_feature_names"]
+
+
+def sequence_feature_names(name: str) -> tuple[str, str]:
+    """KJT keys of a sequence's item and action ids in the EmbeddingCollection."""
+    return f"{name}.item", f"{name}.action"
+
+
+class GemEmbeddings(nn.Module):
+    """All embedding tables of a :class:`GemModel` (the model's sparse parameters).
+
+    Forward returns pooled attribute embeddings ``[B, n_sparse, E]`` (None without sparse features) and,
+    per sequence, item and action embeddings ``[total, E]`` each (E = ``config.embedding_dim``; the
+    collections return float32).
+    """
+
+    def __init__(self, config: GemConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        spec, dim = config.features, config.embedding_dim
+        device = torch.device(device) if device is not None else None
+        self.embedding_dim = dim
+        self.sparse_names = spec.sparse_names
+        self.bags = (
+            EmbeddingBagCollection(
+                tables=[
+                    EmbeddingBagConfig(
+                        name=f"t_{f.name}",
+                        embedding_dim=dim,
+                        num_embeddings=f.num_embeddings,
+                        feature_names=[f.name],
+                        pooling=PoolingType.SUM,
+                    )
+                    for f in spec.sparse
+                ],
+                device=device,
+            )
+            if spec.sparse
+            else None
+        )
+        tables = []
+        for s in spec.sequences:
+            item, action = sequence_feature_names(s.name)
+            for table, rows, feature in (
+                (f"t_{s.name}_item", s.num_items, item),
+                (f"t_{s.name}_action", s.num_actions, action),
+            ):
+                tables.append(
+                    EmbeddingConfig(
+                        name=table, embedding_dim=dim, num_embeddings=rows, feature_names=[feature]
+                    )
+                )
+        self.sequences = EmbeddingCollection(tables=tables, device=device)
+        self.sequence_names = spec.sequence_names
+
+    def reset_parameters(self) -> None:
+        # Rows of norm ~1 whatever the vocabulary size (TorchRec's default, U(+-1/sqrt(N)), shrinks rows
+        # of large tables towards 0).
+        std = 1.0 / math.sqrt(self.embedding_dim)
+        for p in self.parameters():
+            nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
+
+    def sequence_kjt(self, batch: GemBatch) -> KeyedJaggedTensor:
+        """The item and action ids of every sequence as one KJT (keys ``<seq>.item``, ``<seq>.action``)."""
+        keys, values, lengths = [], [], []
+        for name in self.sequence_names:
+            seq = batch.sequences[name]
+            keys += list(sequence_feature_names(name))
+            values += [seq.item_ids, seq.action_ids]
+            lengths += [seq.lengths, seq.lengths]
+        return KeyedJaggedTensor(
+            keys=keys, values=torch.cat(values), lengths=torch.cat(lengths), stride=batch.batch_size
+        )
+
+    def forward(self, batch: GemBatch) -> tuple[Tensor | None, dict[str, tuple[Tensor, Tensor]]]:
+        pooled = None
+        if self.bags is not None:
+            kt = self.bags(batch.sparse)
+            pooled = kt.values().view(batch.batch_size, len(self.sparse_names), self.embedding_dim)
+        jts = self.sequences(self.sequence_kjt(batch))
+        per_seq = {}
+        for name in self.sequence_names:
+            item, action = sequence_feature_names(name)
+            per_seq[name] = (jts[item].values(), jts[action].values())
+        return pooled, per_seq

@@ -1,0 +1,143 @@
+"""The interaction half: summaries of both feature groups and the Wukong / DHEN token mixer.
+
+Shapes: non-sequence tokens ``[B, n, d]``; history ``[total, d]`` jagged with offsets ``[B+1]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+import gem_kernels
+from gem_model.attention import PoolingAttention
+from gem_model.layers import Gating, TokenLinear, init_linear
+
+__all__ = ["NonSequenceSummary", "SequenceSummary", "WukongEnsemble", "WukongLayer"]
+
+
+class NonSequenceSummary(nn.Module):
+    """InterFormer's ``X_sum = Gating(MLP(X))``: ``n`` tokens -> ``n_sum`` gated summary tokens."""
+
+    def __init__(
+        self, n_tokens: int, n_sum: int, d_model: int, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        self.mix = TokenLinear(n_tokens, n_sum, device=device)
+        self.gate = Gating(d_model, device=device)
+
+    def reset_parameters(self) -> None:
+        self.mix.reset_parameters()
+        self.gate.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: ``[B, n, d]`` -> ``[B, n_sum, d]``."""
+        return self.gate(self.mix(x))
+
+
+class SequenceSummary(nn.Module):
+    """``S_sum = Gating([PMA(S) || recent_k(S)])``: a few tokens that stand for a long history.
+
+    PMA pools with learned seed queries; the ``n_recent`` latest events are copied (zeros where a user
+    has fewer events).
+    """
+
+    def __init__(self, pma: PoolingAttention, n_recent: int, d_model: int, eps: float, device=None) -> None:
+        super().__init__()
+        self.n_recent = n_recent
+        self.norm = nn.RMSNorm(d_model, eps=eps, device=device)
+        self.pma = pma
+        self.gate = Gating(d_model, device=device)
+
+    def reset_parameters(self) -> None:
+        self.norm.reset_parameters()
+        self.pma.reset_parameters()
+        self.gate.reset_parameters()
+
+    def forward(self, s: Tensor, offsets: Tensor, max_len: int) -> Tensor:
+        """s: ``[total, d]`` -> ``[B, n_pma + n_recent, d]``."""
+        s = self.norm(s)
+        parts = [self.pma(s, offsets, max_len)]
+        if self.n_recent:
+            recent, mask = gem_kernels.jagged_last_k(s, offsets, self.n_recent)
+            parts.append(recent * mask.unsqueeze(-1).to(recent.dtype))
+        tokens = torch.cat([p.to(parts[0].dtype) for p in parts], dim=1)
+        return self.gate(tokens)
+
+
+class WukongLayer(nn.Module):
+    """One Wukong layer: ``LN([FMB(X) || LCB(X)] + W_res X)``, ``[B, n_in, d] -> [B, n_out, d]``.
+
+    FMB (factorization-machine block) in the low-rank form: ``Z = X (X^T Y)`` with learned
+    ``Y in R^{n_in x k}`` (``O(n k d)`` instead of ``O(n^2 d)``), flattened, LayerNorm, MLP to
+    ``n_fm x d``. LCB (linear compression block): ``W_L X`` to the remaining ``n_out - n_fm`` tokens.
+    """
+
+    def __init__(
+        self, n_in: int, n_out: int, n_fm: int, d_model: int, rank: int, hidden: int, eps: float, device=None
+    ) -> None:
+        super().__init__()
+        if not 1 <= n_fm <= n_out:
+            raise ValueError(f"WukongLayer: n_fm must lie in [1, n_out={n_out}], got {n_fm}")
+        self.n_in, self.n_out, self.n_fm, self.d_model, self.rank = n_in, n_out, n_fm, d_model, rank
+        self.fm_y = nn.Parameter(torch.empty(n_in, rank, device=device))
+        self.fm_norm = nn.LayerNorm(n_in * rank, eps=eps, device=device)
+        self.fm_up = nn.Linear(n_in * rank, hidden, device=device)
+        self.fm_down = nn.Linear(hidden, n_fm * d_model, device=device)
+        self.lcb = TokenLinear(n_in, n_out - n_fm, device=device) if n_out > n_fm else None
+        self.residual = TokenLinear(n_in, n_out, device=device)
+        self.norm = nn.LayerNorm(d_model, eps=eps, device=device)
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.fm_y, std=self.n_in**-0.5, a=-3 * self.n_in**-0.5, b=3 * self.n_in**-0.5)
+        self.fm_norm.reset_parameters()
+        init_linear(self.fm_up)
+        init_linear(self.fm_down)
+        if self.lcb is not None:
+            self.lcb.reset_parameters()
+        self.residual.reset_parameters()
+        self.norm.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        b = x.shape[0]
+        xty = torch.einsum("bnd,nk->bdk", x, self.fm_y)  # X^T Y: [B, d, k]
+        z = torch.bmm(x, xty)  # X (X^T Y): [B, n_in, k], all pairwise interactions through rank k
+        fm = self.fm_down(F.silu(self.fm_up(self.fm_norm(z.reshape(b, -1)))))
+        parts = [fm.view(b, self.n_fm, self.d_model)]
+        if self.lcb is not None:
+            parts.append(self.lcb(x))
+        out = torch.cat([p.to(parts[0].dtype) for p in parts], dim=1)
+        return self.norm(out + self.residual(x))
+
+
+class WukongEnsemble(nn.Module):
+    """A DHEN-style gated ensemble (mixture of Wukong experts), ``[B, n_in, d] -> [B, n_out, d]``.
+
+    Every expert sees every sample; a softmax gate on the mean input token weighs them per sample.
+    Experts live in ``self.experts`` (a ModuleList) so expert parallelism can place them on different
+    ranks. With one expert the gate is skipped.
+    """
+
+    def __init__(self, n_experts: int, make_expert, d_model: int, device=None) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([make_expert() for _ in range(n_experts)])
+        self.gate = nn.Linear(d_model, n_experts, device=device) if n_experts > 1 else None
+
+    def reset_parameters(self) -> None:
+        for expert in self.experts:
+            expert.reset_parameters()
+        if self.gate is not None:
+            # Zero gate: the experts start as an even average and specialise as the gate learns.
+            nn.init.zeros_(self.gate.weight)
+            nn.init.zeros_(self.gate.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gate is None:
+            return self.experts[0](x)
+        weights = torch.softmax(self.gate(x.mean(dim=1)).float(), dim=-1)  # [B, E]
+        out = None
+        for e, expert in enumerate(self.experts):
+            y = expert(x)
+            y = y * weights[:, e, None, None].to(y.dtype)
+            out = y if out is None else out + y
+        return out

@@ -1,0 +1,79 @@
+"""Small dense building blocks shared by the interaction and sequence halves.
+
+Every module here has ``reset_parameters()`` so :meth:`GemModel.init_weights` can initialise a model that
+was built on the meta device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+__all__ = ["Gating", "SwiGLU", "TokenLinear", "init_linear"]
+
+
+def init_linear(linear: nn.Linear, std: float | None = None) -> None:
+    """Truncated-normal weights (std ``1/sqrt(fan_in)`` unless given) and zero bias."""
+    std = 1.0 / math.sqrt(linear.in_features) if std is None else std
+    nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+
+
+class TokenLinear(nn.Module):
+    """A linear map over the token axis: ``[B, n_in, d] -> [B, n_out, d]`` (``Y[b] = W X[b]``).
+
+    Recombines whole tokens (Wukong's linear compression block, InterFormer's n -> n_sum summary).
+    """
+
+    def __init__(self, n_in: int, n_out: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.n_in, self.n_out = n_in, n_out
+        self.weight = nn.Parameter(torch.empty(n_out, n_in, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            std = 1.0 / math.sqrt(self.n_in)
+            nn.init.trunc_normal_(self.weight, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: ``[B, n_in, d]`` -> ``[B, n_out, d]``."""
+        return torch.einsum("mn,bnd->bmd", self.weight, x)
+
+
+class Gating(nn.Module):
+    """Self-gating of tokens: ``x * sigmoid(W x + b)`` over the feature axis (InterFormer's Gating).
+
+    Shapes: ``[..., d] -> [..., d]``.
+    """
+
+    def __init__(self, d: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d, device=device)
+
+    def reset_parameters(self) -> None:
+        init_linear(self.proj)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.sigmoid(self.proj(x))
+
+
+class SwiGLU(nn.Module):
+    """Feed-forward ``W2 (silu(W1 x) * W3 x)`` on ``[..., d]`` with hidden width ``hidden``."""
+
+    def __init__(self, d: int, hidden: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(d, 2 * hidden, bias=False, device=device)
+        self.w2 = nn.Linear(hidden, d, bias=False, device=device)
+
+    def reset_parameters(self) -> None:
+        init_linear(self.w13)
+        init_linear(self.w2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)

@@ -1,0 +1,309 @@
+"""The GEM model: embeddings, a stack of interleaved interaction/sequence layers, multi-task heads.
+
+Layer ``l`` (InterFormer / Kunlun style; both halves read the layer's input, so they may run in parallel):
+
+- interaction half: ``X_sum = Gating(TokenMix(X))``; ``S_sum = Gating([PMA(S) || recent_k(S)])``;
+  ``X' = WukongEnsemble([X || S_sum])`` (low-rank FM block + linear compression block, residual, LN).
+- sequence half: ``S += GDPA(S -> [X_sum || S_sum])`` (context cross-attention, InterFormer's PFFN);
+  ``S += SelfAttention(S)`` (full / window / block, rotary temporal positions, QK-norm);
+  ``S += SwiGLU(S)``. Pre-RMSNorm residual blocks.
+
+Heads read ``[X_sum || S_sum]`` of the final ``X`` and ``S``. Several sequences are merged per user by
+concatenation (InterFormer merges sequences too); every event keeps its own temporal position.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+import gem_kernels
+from gem_model.attention import ContextCrossAttention, PoolingAttention, SequenceSelfAttention
+from gem_model.batch import GemBatch
+from gem_model.config import GemConfig
+from gem_model.embeddings import GemEmbeddings
+from gem_model.interaction import NonSequenceSummary, SequenceSummary, WukongEnsemble, WukongLayer
+from gem_model.layers import SwiGLU, init_linear
+
+__all__ = ["N_TIME_FEATURES", "GemLayer", "GemModel", "multitask_loss"]
+
+N_TIME_FEATURES = 16  # sin/cos of the log time gap at 8 frequencies
+
+
+def _pma(config: GemConfig, device) -> PoolingAttention:
+    return PoolingAttention(
+        config.d_model, config.n_heads, config.head_dim, config.n_pma_tokens, kind=config.pma_kind,
+        activation=config.gdpa_activation, max_history_len=config.features.max_history_len,
+        qk_norm=config.qk_norm, norm_eps=config.norm_eps, device=device,
+    )  # fmt: skip
+
+
+def _summaries(config: GemConfig, device) -> tuple[NonSequenceSummary, SequenceSummary]:
+    x_summary = NonSequenceSummary(config.n_tokens, config.n_sum_tokens, config.d_model, device=device)
+    s_summary = SequenceSummary(
+        _pma(config, device), config.n_recent, config.d_model, config.norm_eps, device
+    )
+    return x_summary, s_summary
+
+
+class InputEncoder(nn.Module):
+    """Turns embeddings and raw features into the first non-sequence tokens and the merged history.
+
+    Returns ``x`` ``[B, n_tokens, d]``, history ``s`` ``[total, d]``, its ``offsets`` ``[B+1]``, host
+    ``max_len``, and rotary ``positions`` ``[total]`` float32.
+    """
+
+    def __init__(self, config: GemConfig, device=None) -> None:
+        super().__init__()
+        d, e = config.d_model, config.embedding_dim
+        self.config = config
+        n_dense = config.features.n_dense
+        self.dense = (
+            nn.Linear(n_dense, config.n_dense_tokens * d, device=device) if config.n_dense_tokens else None
+        )
+        self.sparse_proj = nn.Linear(e, d, bias=False, device=device) if e != d else None
+        self.seq_proj = nn.Linear(e, d, bias=False, device=device) if e != d else None
+        self.time_proj = nn.Linear(N_TIME_FEATURES, d, device=device)
+        n_seq = len(config.features.sequences)
+        self.seq_type = nn.Parameter(torch.empty(n_seq, d, device=device)) if n_seq > 1 else None
+        self.token_norm = nn.LayerNorm(d, eps=config.norm_eps, device=device)
+        freqs = 2.0 ** torch.arange(N_TIME_FEATURES // 2, dtype=torch.float32) / 8.0
+        self.register_buffer(
+            "time_freqs", freqs.to(device) if device is not None else freqs, persistent=False
+        )
+
+    def reset_parameters(self) -> None:
+        for linear in (self.dense, self.sparse_proj, self.seq_proj, self.time_proj):
+            if linear is not None:
+                init_linear(linear)
+        if self.seq_type is not None:
+            nn.init.trunc_normal_(self.seq_type, std=0.02)
+        self.token_norm.reset_parameters()
+        freqs = (
+            2.0 ** torch.arange(N_TIME_FEATURES // 2, dtype=torch.float32, device=self.time_freqs.device)
+            / 8.0
+        )
+        self.time_freqs.copy_(freqs)
+
+    def tokens(self, batch: GemBatch, pooled: Tensor | None) -> Tensor:
+        b, d = batch.batch_size, self.config.d_model
+        parts = []
+        if self.dense is not None:
+            parts.append(self.dense(batch.dense).view(b, self.config.n_dense_tokens, d))
+        if pooled is not None:
+            parts.append(self.sparse_proj(pooled) if self.sparse_proj is not None else pooled)
+        dtype = parts[0].dtype
+        return self.token_norm(torch.cat([p.to(dtype) for p in parts], dim=1))
+
+    def history(
+        self, batch: GemBatch, embedded: dict[str, tuple[Tensor, Tensor]]
+    ) -> tuple[Tensor, Tensor, int, Tensor]:
+        cfg = self.config
+        merged = None
+        for i, s in enumerate(cfg.features.sequences):
+            seq = batch.sequences[s.name]
+            item, action = embedded[s.name]
+            tok = item + action
+            tok = self.seq_proj(tok) if self.seq_proj is not None else tok
+            owner = torch.repeat_interleave(
+                torch.arange(batch.batch_size, device=seq.offsets.device),
+                seq.lengths,
+                output_size=seq.item_ids.numel(),
+            )
+            gap = (batch.request_time[owner] - seq.timestamps).clamp(min=0).to(torch.float32)
+            log_gap = torch.log1p(gap / cfg.time_scale_s)  # [total]: 0 for "now", ~13 for a year at 60 s
+            angles = log_gap[:, None] * self.time_freqs
+            time_tok = self.time_proj(torch.cat([angles.sin(), angles.cos()], dim=-1))
+            dtype = torch.promote_types(tok.dtype, time_tok.dtype)
+            tok = tok.to(dtype) + time_tok.to(dtype)
+            if self.seq_type is not None:
+                tok = tok + self.seq_type[i].to(tok.dtype)
+            pos = cfg.rotary_position_scale * log_gap
+            if merged is None:
+                merged = (tok, pos, seq.offsets, seq.max_len)
+                continue
+            m_tok, m_pos, m_off, m_len = merged
+            dtype = torch.promote_types(m_tok.dtype, tok.dtype)
+            c_tok, c_off = gem_kernels.jagged_concat(m_tok.to(dtype), m_off, tok.to(dtype), seq.offsets)
+            c_pos, _ = gem_kernels.jagged_concat(m_pos[:, None], m_off, pos[:, None], seq.offsets)
+            merged = (c_tok, c_pos[:, 0], c_off, m_len + seq.max_len)
+        tok, pos, offsets, max_len = merged
+        return tok, offsets, max_len, pos
+
+
+class GemLayer(nn.Module):
+    """One interleaved layer: interaction half over ``X``, sequence half over ``S`` (see module doc)."""
+
+    def __init__(self, config: GemConfig, index: int, device=None) -> None:
+        super().__init__()
+        d, eps = config.d_model, config.norm_eps
+        n_in = config.n_tokens + config.n_seq_summary_tokens
+        self.x_summary, self.s_summary = _summaries(config, device)
+
+        def expert() -> WukongLayer:
+            return WukongLayer(
+                n_in,
+                config.n_tokens,
+                config.fm_tokens,
+                d,
+                config.wukong_rank,
+                config.wukong_hidden,
+                eps,
+                device,
+            )
+
+        self.mixer = WukongEnsemble(config.n_experts, expert, d, device=device)
+        self.cross_norm = nn.RMSNorm(d, eps=eps, device=device)
+        self.cross = ContextCrossAttention(
+            d, config.n_heads, config.head_dim, config.n_context_tokens, activation=config.gdpa_activation,
+            qk_norm=config.qk_norm, norm_eps=eps, device=device,
+        )  # fmt: skip
+        self.attn_norm = nn.RMSNorm(d, eps=eps, device=device)
+        self.attn = SequenceSelfAttention(
+            d, config.n_heads, config.head_dim, kind=config.attention_kind(index), window=config.window,
+            block_size=config.block_size, causal=config.causal, qk_norm=config.qk_norm,
+            rotary_base=config.rotary_base, norm_eps=eps, device=device,
+        )  # fmt: skip
+        self.ffn_norm = nn.RMSNorm(d, eps=eps, device=device) if config.ffn_hidden else None
+        self.ffn = SwiGLU(d, config.ffn_hidden, device=device) if config.ffn_hidden else None
+
+    def reset_parameters(self) -> None:
+        for m in (self.x_summary, self.s_summary, self.mixer, self.cross, self.attn, self.ffn):
+            if m is not None:
+                m.reset_parameters()
+        for norm in (self.cross_norm, self.attn_norm, self.ffn_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+    def forward(
+        self, x: Tensor, s: Tensor, offsets: Tensor, max_len: int, positions: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """x ``[B, n, d]``, s ``[total, d]`` -> the same shapes."""
+        x_sum = self.x_summary(x)
+        s_sum = self.s_summary(s, offsets, max_len)
+        dtype = torch.promote_types(x.dtype, s_sum.dtype)
+        x_next = self.mixer(torch.cat([x.to(dtype), s_sum.to(dtype)], dim=1))
+        context = torch.cat([x_sum.to(dtype), s_sum.to(dtype)], dim=1)
+        s = s + self.cross(self.cross_norm(s), offsets, max_len, context)
+        s = s + self.attn(self.attn_norm(s), offsets, max_len, positions)
+        if self.ffn is not None:
+            s = s + self.ffn(self.ffn_norm(s))
+        return x_next, s
+
+
+class TaskHead(nn.Module):
+    """MLP ``[B, in] -> [B]`` logits (fp32) for one task."""
+
+    def __init__(self, d_in: int, hidden: tuple[int, ...], eps: float, device=None) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_in, eps=eps, device=device)
+        dims = (d_in, *hidden)
+        self.hidden = nn.ModuleList(nn.Linear(a, b, device=device) for a, b in itertools.pairwise(dims))
+        self.out = nn.Linear(dims[-1], 1, device=device)
+
+    def reset_parameters(self) -> None:
+        self.norm.reset_parameters()
+        for linear in self.hidden:
+            init_linear(linear)
+        # Small output weights: initial predictions near 0.5 whatever the input scale.
+        init_linear(self.out, std=0.01)
+
+    def forward(self, z: Tensor) -> Tensor:
+        z = self.norm(z)
+        for linear in self.hidden:
+            z = F.silu(linear(z))
+        return self.out(z).squeeze(-1).float()
+
+
+class GemModel(nn.Module):
+    """The GEM-style ranking model.
+
+    Submodules: ``embeddings`` (TorchRec collections: the sparse parameters), ``input``, ``layers``
+    (a ModuleDict ``"0".."L-1"``), ``final_x`` / ``final_s`` (final summaries) and ``heads`` (one per
+    task). Build on ``device="meta"`` to allocate nothing, then ``to_empty(device=...)`` and
+    :meth:`init_weights`.
+    """
+
+    def __init__(self, config: GemConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = GemEmbeddings(config, device=device)
+        self.input = InputEncoder(config, device=device)
+        self.layers = nn.ModuleDict(
+            {str(i): GemLayer(config, i, device=device) for i in range(config.n_layers)}
+        )
+        self.final_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps, device=device)
+        self.final_x, self.final_s = _summaries(config, device)
+        d_head = (config.n_sum_tokens + config.n_seq_summary_tokens) * config.d_model
+        self.heads = nn.ModuleDict(
+            {
+                t: TaskHead(d_head, config.head_hidden, config.norm_eps, device=device)
+                for t in config.features.tasks
+            }
+        )
+        if torch.device(device if device is not None else "cpu").type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re-)initialises every parameter and buffer (after ``to_empty`` of a meta-built model)."""
+        self.embeddings.reset_parameters()
+        self.input.reset_parameters()
+        for layer in self.layers.values():
+            layer.reset_parameters()
+        self.final_norm.reset_parameters()
+        self.final_x.reset_parameters()
+        self.final_s.reset_parameters()
+        for head in self.heads.values():
+            head.reset_parameters()
+
+    def sparse_parameters(self) -> Iterator[nn.Parameter]:
+        """Embedding-table parameters (for a row-wise sparse optimizer)."""
+        return self.embeddings.parameters()
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """Every parameter outside the embedding tables."""
+        sparse = {id(p) for p in self.embeddings.parameters()}
+        return (p for p in self.parameters() if id(p) not in sparse)
+
+    def forward(self, batch: GemBatch) -> dict[str, Tensor]:
+        """Returns task name -> logits ``[B]`` float32."""
+        pooled, embedded = self.embeddings(batch)
+        x = self.input.tokens(batch, pooled)
+        s, offsets, max_len, positions = self.input.history(batch, embedded)
+        for layer in self.layers.values():
+            x, s = layer(x, s, offsets, max_len, positions)
+        s_sum = self.final_s(self.final_norm(s), offsets, max_len)
+        x_sum = self.final_x(x)
+        dtype = torch.promote_types(x_sum.dtype, s_sum.dtype)
+        z = torch.cat([x_sum.to(dtype), s_sum.to(dtype)], dim=1).flatten(1)
+        return {task: head(z) for task, head in self.heads.items()}
+
+
+def multitask_loss(logits: dict[str, Tensor], batch: GemBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    """Mean over tasks of the masked binary cross-entropy (fp32).
+
+    Each task's loss averages over its labelled samples (a task with no label in the batch contributes
+    0 and is left out of the mean). Returns the total and the per-task losses (detached).
+    """
+    if batch.labels.shape[1] != len(logits):
+        raise ValueError(
+            f"multitask_loss: {len(logits)} tasks of logits but labels have {batch.labels.shape[1]}"
+        )
+    per_task: dict[str, Tensor] = {}
+    total = torch.zeros((), dtype=torch.float32, device=batch.labels.device)
+    n_tasks = torch.zeros((), dtype=torch.float32, device=batch.labels.device)
+    # Column t of labels/label_mask belongs to the t-th task (spec.tasks order = the heads' order).
+    for t, (name, logit) in enumerate(logits.items()):
+        mask = batch.label_mask[:, t].to(torch.float32)
+        bce = F.binary_cross_entropy_with_logits(logit.float(), batch.labels[:, t].float(), reduction="none")
+        count = mask.sum()
+        loss = (bce * mask).sum() / count.clamp(min=1.0)
+        per_task[name] = loss.detach()
+        total = total + loss
+        n_tasks = n_tasks + (count > 0).to(torch.float32)
+    return total / n_tasks.clamp(min=1.0), per_task

@@ -1,0 +1,268 @@
+"""The GEM model on the CPU: shapes, gradients, jagged isolation, FLOPs, training, meta init."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import gem_model as gm
+from gem_model import FeatureSpec, GemModel, SequenceFeature, SparseFeature
+
+
+def _config(**changes) -> gm.GemConfig:
+    """A small config that exercises every block: 3 attention kinds, 2 sequences, E != d, 2 experts."""
+    spec = FeatureSpec(
+        n_dense=4,
+        sparse=(SparseFeature("user", 40), SparseFeature("ad", 30), SparseFeature("ad_cat", 7, max_ids=3)),
+        sequences=(SequenceFeature("hist", 60, 4, 24), SequenceFeature("ads", 20, 3, 12)),
+    )
+    base = dataclasses.replace(
+        gm.get_config("tiny"),
+        features=spec,
+        embedding_dim=8,
+        n_layers=3,
+        attention=("full", "window", "block"),
+        window=5,
+        block_size=8,
+        n_experts=2,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def _model(config: gm.GemConfig, seed: int = 0) -> GemModel:
+    torch.manual_seed(seed)
+    return GemModel(config)
+
+
+def _loss(model: GemModel, batch: gm.GemBatch) -> torch.Tensor:
+    return gm.multitask_loss(model(batch), batch)[0]
+
+
+def test_forward_shapes_and_dtypes():
+    config = _config()
+    model = _model(config)
+    batch = gm.random_batch(config.features, 6, seed=0)
+    logits = model(batch)
+    assert list(logits) == list(config.features.tasks)
+    for v in logits.values():
+        assert v.shape == (6,) and v.dtype == torch.float32 and torch.isfinite(v).all()
+
+
+def test_blocks_shapes():
+    config = _config()
+    model = _model(config)
+    batch = gm.random_batch(config.features, 5, seed=1)
+    pooled, embedded = model.embeddings(batch)
+    assert pooled.shape == (5, 3, 8) and pooled.dtype == torch.float32
+    assert embedded["hist"][0].shape == (batch.sequences["hist"].item_ids.numel(), 8)
+    x = model.input.tokens(batch, pooled)
+    s, offsets, max_len, positions = model.input.history(batch, embedded)
+    total = sum(seq.item_ids.numel() for seq in batch.sequences.values())
+    assert x.shape == (5, config.n_tokens, config.d_model)
+    assert (
+        s.shape == (total, config.d_model)
+        and positions.shape == (total,)
+        and positions.dtype == torch.float32
+    )
+    assert offsets.tolist()[-1] == total and max_len == sum(q.max_len for q in batch.sequences.values())
+    layer = model.layers["0"]
+    x_sum = layer.x_summary(x)
+    s_sum = layer.s_summary(s, offsets, max_len)
+    assert x_sum.shape == (5, config.n_sum_tokens, config.d_model)
+    assert s_sum.shape == (5, config.n_seq_summary_tokens, config.d_model)
+    mixed = layer.mixer(torch.cat([x, s_sum], dim=1))
+    assert mixed.shape == x.shape
+    assert layer.cross(s, offsets, max_len, torch.cat([x_sum, s_sum], 1)).shape == s.shape
+    for name in ("0", "1", "2"):
+        out = model.layers[name].attn(s, offsets, max_len, positions)
+        assert out.shape == s.shape and out.dtype == torch.float32
+        x2, s2 = model.layers[name](x, s, offsets, max_len, positions)
+        assert x2.shape == x.shape and s2.shape == s.shape
+
+
+def test_bf16_autocast_gives_fp32_logits():
+    config = _config(n_layers=1, attention="window", n_experts=1)
+    model = _model(config)
+    batch = gm.random_batch(config.features, 4, seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(batch)
+    fp32 = model(batch)
+    for task, v in logits.items():
+        assert v.dtype == torch.float32
+        # bf16 matmuls (8 bits of mantissa) through a few layers: logits agree to about 1e-1 absolute.
+        torch.testing.assert_close(v, fp32[task], atol=0.1, rtol=0.1)
+
+
+@pytest.mark.parametrize("pma_kind", ["softmax", "gdpa"])
+def test_gradients_reach_every_parameter(pma_kind):
+    config = _config(pma_kind=pma_kind)
+    model = _model(config)
+    batch = gm.random_batch(config.features, 8, seed=3)
+    _loss(model, batch).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.any(p.grad != 0)]
+    assert not missing, f"no gradient reaches {missing}"
+
+
+def test_jagged_isolation_batch_and_padding():
+    """A sample's logits do not depend on the other samples of its batch, nor on max_len padding."""
+    config = _config()
+    model = _model(config).eval()
+    batch = gm.random_batch(config.features, 7, seed=4, empty_fraction=0.3)
+    full = model(batch)
+    for i in (0, 3, 6):
+        alone = batch.select([i])
+        # Extra padding: a max_len far above the real lengths must change nothing.
+        for seq in alone.sequences.values():
+            seq.max_len = seq.max_len + 17
+        out = model(alone)
+        reordered = model(batch.select([i, *[j for j in range(7) if j != i]]))
+        for task in full:
+            # Same math, different matmul shapes: fp32 summation-order noise only.
+            torch.testing.assert_close(out[task][0], full[task][i], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(reordered[task][0], full[task][i], atol=1e-5, rtol=1e-5)
+
+
+def test_empty_histories():
+    config = _config(n_experts=1)
+    model = _model(config)
+    batch = gm.random_batch(config.features, 4, seed=5, empty_fraction=1.0)
+    assert all(s.item_ids.numel() == 0 for s in batch.sequences.values())
+    loss = _loss(model, batch)
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("changes", [{}, {"pma_kind": "gdpa", "causal": False, "embedding_dim": 32}])
+def test_flops_match_flop_counter(changes):
+    config = _config(**changes)
+    model = _model(config)
+    batch = gm.random_batch(config.features, 6, seed=6)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _loss(model, batch).backward()
+    measured, predicted = counter.get_total_flops(), gm.flops(config, batch)
+    # The counter bounds block attention by full blocks (it sees shapes, not lengths), so it may exceed
+    # the exact count slightly; everything else must agree exactly.
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+    by_block = gm.flops_by_block(config, batch)
+    assert sum(by_block.values()) == predicted and "layers.2.self_attention" in by_block
+
+
+def test_attention_pairs():
+    assert gm.attention_pairs([3, 0, 1], "full", causal=True, window=0, block_size=4) == 6 + 0 + 1
+    assert gm.attention_pairs([3], "full", causal=False, window=0, block_size=4) == 9
+    # window 1 causal over 4 tokens: 1 + 2 + 2 + 2
+    assert gm.attention_pairs([4], "window", causal=True, window=1, block_size=4) == 7
+    assert gm.attention_pairs([4], "window", causal=False, window=1, block_size=4) == 10
+    # blocks of 4 over 6 tokens: a full block (10 causal pairs) and a partial one of 2 (3 pairs)
+    assert gm.attention_pairs([6], "block", causal=True, window=0, block_size=4) == 13
+    assert gm.attention_pairs([6], "block", causal=False, window=0, block_size=4) == 20
+
+
+def test_multitask_loss_masks():
+    config = _config(n_layers=1, attention="full")
+    model = _model(config)
+    batch = gm.random_batch(config.features, 8, seed=7)
+    logits = model(batch)
+    loss, per_task = gm.multitask_loss(logits, batch)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    for t, task in enumerate(config.features.tasks):
+        m = batch.label_mask[:, t]
+        torch.testing.assert_close(per_task[task], bce(logits[task][m], batch.labels[m, t]))
+    torch.testing.assert_close(loss, sum(per_task.values()) / 2)
+    # Flipping masked-out labels changes nothing; a task with no label leaves the mean.
+    flipped = dataclasses.replace(batch, labels=torch.where(batch.label_mask, batch.labels, 1 - batch.labels))
+    torch.testing.assert_close(gm.multitask_loss(logits, flipped)[0], loss)
+    mask = batch.label_mask.clone()
+    mask[:, 1] = False
+    only_ctr = gm.multitask_loss(logits, dataclasses.replace(batch, label_mask=mask))
+    torch.testing.assert_close(only_ctr[0], per_task["ctr"])
+
+
+def test_tiny_overfits_fixed_batch():
+    config = gm.get_config("tiny")
+    model = _model(config)
+    # 16 users (histories of up to 48 events): memorised within ~20 Adam steps.
+    batch = gm.random_batch(config.features, 16, seed=8, missing_label_rate=0.0)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(25):
+        loss = _loss(model, batch)
+        first = loss.item() if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert _loss(model, batch).item() < 0.1 * first
+
+
+def test_meta_build_and_init_weights():
+    config = _config()
+    meta = GemModel(config, device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in meta.parameters():
+            p.fill_(float("nan"))
+    torch.manual_seed(0)
+    meta.init_weights()
+    nan = [n for n, p in meta.named_parameters() if not torch.isfinite(p).all()]
+    assert not nan, f"init_weights left {nan} uninitialised"
+    batch = gm.random_batch(config.features, 4, seed=9)
+    assert all(torch.isfinite(v).all() for v in meta(batch).values())
+    # Same seed, same init as building on the CPU directly.
+    torch.manual_seed(0)
+    direct = GemModel(config, device="meta")
+    direct.to_empty(device="cpu")
+    torch.manual_seed(0)
+    direct.init_weights()
+    for (n, a), (_, b) in zip(meta.named_parameters(), direct.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_parameter_split_and_counts():
+    config = _config()
+    model = _model(config)
+    sparse = {id(p) for p in model.sparse_parameters()}
+    dense = {id(p) for p in model.dense_parameters()}
+    assert sparse and dense and not sparse & dense
+    assert sparse | dense == {id(p) for p in model.parameters()}
+    counts = gm.parameter_counts(config)
+    assert counts["sparse"] == sum(p.numel() for p in model.sparse_parameters())
+    assert counts["dense"] == sum(p.numel() for p in model.dense_parameters())
+    assert counts["total"] == counts["dense"] + counts["sparse"]
+    table = 40 * 8 + 30 * 8 + 7 * 8 + (60 + 4 + 20 + 3) * 8
+    assert counts["sparse"] == table
+    summary = gm.model_summary(config)
+    assert "sparse total" in summary and "layers.2 (block)" in summary
+    # Layers and experts have stable names for checkpoints and expert parallelism.
+    names = dict(model.named_parameters())
+    assert "layers.0.mixer.experts.1.fm_y" in names and "layers.2.attn.qkv.weight" in names
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_named_configs_train_a_step(name):
+    config = gm.get_config(name)
+    model = _model(config)
+    batch = gm.random_batch(config.features, 4, seed=10)
+    loss = _loss(model, batch)
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("name", gm.CONFIG_NAMES)
+def test_parameter_counts_of_named_configs(name):
+    counts = gm.parameter_counts(gm.get_config(name))
+    assert counts["dense"] > 0 and counts["sparse"] > counts["dense"] // 100
+
+
+def test_select_subbatch():
+    config = _config()
+    batch = gm.random_batch(config.features, 6, seed=11)
+    sub = batch.select([4, 1])
+    sub.validate(config.features)
+    h, hs = batch.sequences["hist"], sub.sequences["hist"]
+    assert torch.equal(hs.item_ids[: hs.lengths[0]], h.item_ids[h.offsets[4] : h.offsets[5]])
+    cat, sub_cat = batch.sparse["ad_cat"], sub.sparse["ad_cat"]
+    expected = cat.values()[cat.offsets()[4] : cat.offsets()[5]]
+    assert torch.equal(sub_cat.values()[: sub_cat.lengths()[0]], expected)
