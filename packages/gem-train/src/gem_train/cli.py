@@ -1,12 +1,236 @@
-"""The ``gem-train`` console script."""
+"""The ``gem-train`` console script.
+
+    gem-train                                  train the tiny model on synthetic data on the CPU (tiny-cpu)
+    gem-train train [--config C] [--resume CKPT|RUN|latest] [key=value ...]
+    gem-train eval --checkpoint CKPT [--batches N] [key=value ...]
+    gem-train bench [--config C] [--steps N] [--warmup N] [key=value ...]
+    gem-train baseline [--config C] [key=value ...]   the plain MLP baseline on the same data and split
+    gem-train data movielens-100k [--cache-dir D] [--wheel W]
+    gem-train data synthetic [--config C] [key=value ...]
+    gem-train config [--config C] [key=value ...]     print the resolved config
+
+``--config`` takes a TOML file or a shipped config name (tiny-cpu, movielens, base-h200).
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+import warnings
+from pathlib import Path
+
+from gem_train.config import SHIPPED_CONFIGS, ConfigError, TrainConfig, config_from_dict, load_config
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gem-train",
+        description="Train and evaluate GEM-style ads recommendation models. With no command: train the tiny "
+        "model on the built-in synthetic dataset on the CPU (config tiny-cpu).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command")
+    cfg_help = f"a TOML file or a shipped config ({', '.join(SHIPPED_CONFIGS)})"
+    ov_help = "dotted overrides, e.g. train.steps=100 optim.lr=3e-4"
+
+    t = sub.add_parser("train", help="train a model")
+    t.add_argument("--config", default=None, help=cfg_help + "; default tiny-cpu, or the checkpoint's")
+    t.add_argument("--resume", default=None, help="a checkpoint dir, a run dir (its newest), or 'latest'")
+    t.add_argument("overrides", nargs="*", help=ov_help)
+
+    b = sub.add_parser("baseline", help="train the plain MLP baseline (model.arch=mlp) on the same data")
+    b.add_argument("--config", default="movielens", help=cfg_help)
+    b.add_argument("overrides", nargs="*", help=ov_help)
+
+    e = sub.add_parser("eval", help="evaluate a checkpoint on its config's evaluation split")
+    e.add_argument("--checkpoint", required=True, help="a checkpoints/step_<N> directory (or a run dir)")
+    e.add_argument("--batches", type=int, default=0, help="evaluate only the first N batches (0: all)")
+    e.add_argument("overrides", nargs="*", help=ov_help + " (applied to the checkpoint's config)")
+
+    be = sub.add_parser("bench", help="measure examples/s, step time, MFU and peak memory")
+    be.add_argument("--config", default=None, help=cfg_help)
+    be.add_argument("--steps", type=int, default=20)
+    be.add_argument("--warmup", type=int, default=5)
+    be.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    be.add_argument("overrides", nargs="*", help=ov_help)
+
+    d = sub.add_parser("data", help="prepare or inspect a dataset")
+    dsub = d.add_subparsers(dest="dataset", required=True)
+    ml = dsub.add_parser("movielens-100k", help="fetch MovieLens-100K (pip download recbole==1.2.1)")
+    ml.add_argument("--cache-dir", default=None, help="default: $GEM_CACHE_DIR or ~/.cache/gem")
+    ml.add_argument("--wheel", default=None, help="use this recbole-1.2.1 wheel instead of downloading")
+    sy = dsub.add_parser("synthetic", help="describe the synthetic dataset and its ground-truth NE floor")
+    sy.add_argument("--config", default=None, help=cfg_help)
+    sy.add_argument("overrides", nargs="*", help=ov_help)
+
+    c = sub.add_parser("config", help="print the resolved config as TOML")
+    c.add_argument("--config", default=None, help=cfg_help)
+    c.add_argument("overrides", nargs="*", help=ov_help)
+    return p
+
+
+def _checkpoint_config(ckpt: Path, overrides: list[str]) -> tuple[TrainConfig, Path]:
+    from gem_train.checkpoint import latest_checkpoint, read_trainer_state
+    from gem_train.config import apply_overrides
+
+    if (ckpt / "checkpoints").is_dir():
+        found = latest_checkpoint(ckpt / "checkpoints")
+        if found is None:
+            raise FileNotFoundError(f"run directory {ckpt} has no complete checkpoint")
+        ckpt = found
+    state = read_trainer_state(ckpt)
+    cfg = config_from_dict(TrainConfig, apply_overrides(state["config"], overrides))
+    cfg.validate()
+    return cfg, ckpt
+
+
+def _train(cfg: TrainConfig, resume: str | None) -> int:
+    from gem_train.trainer import Trainer
+
+    trainer = Trainer(cfg, resume=resume)
+    if trainer.dist.is_main:
+        print(f"gem-train: run directory {trainer.run.root}", file=sys.stderr)
+    result = trainer.fit()
+    if trainer.dist.is_main:
+        if result.final_eval is not None:
+            print(f"evaluation after {result.step} steps:")
+            print(result.final_eval.summary())
+        print(f"run directory: {result.run_dir}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from gem_train.checkpoint import load_checkpoint
+    from gem_train.model_factory import build_model
+    from gem_train.trainer import build_source, evaluate_model, init_distributed
+
+    cfg, ckpt = _checkpoint_config(Path(args.checkpoint), args.overrides)
+    d = init_distributed(cfg.run.device)
+    source = build_source(cfg)
+    model = build_model(cfg.model, source.spec, d.device, cfg.run.seed).model
+    state = load_checkpoint(ckpt, model, None, restore_rng=False)
+    use_bf16 = cfg.train.autocast == "bf16" or (cfg.train.autocast == "auto" and d.device.type == "cuda")
+    import torch
+
+    res = evaluate_model(
+        model, source, cfg, d, torch.bfloat16 if use_bf16 else None, int(state["step"]), args.batches
+    )
+    if d.is_main:
+        print(f"checkpoint {ckpt} (step {state['step']}):")
+        print(res.summary())
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from gem_train.bench import run_bench
+
+    cfg = load_config(args.config, args.overrides)
+    out = run_bench(cfg, steps=args.steps, warmup=args.warmup)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:>22}: {v:,.4g}" if isinstance(v, float) else f"{k:>22}: {v}")
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    if args.dataset == "movielens-100k":
+        from gem_train.data.movielens import MovieLens100K, fetch_movielens_100k, read_movielens_100k
+
+        path = fetch_movielens_100k(args.cache_dir, args.wheel)
+        ev = read_movielens_100k(path)
+        from gem_train.config import MovieLensConfig
+
+        ds = MovieLens100K(MovieLensConfig(), events=ev)
+        print(f"MovieLens-100K in {path}")
+        print(
+            f"  {len(ev.user):,} ratings, {len(set(ev.user.tolist()))} users, {ev.num_items - 1} movies; "
+            f"train {len(ds.train_rows):,} / eval {len(ds.eval_rows):,} events; "
+            f"positive rate {ds.label.mean():.3f}"
+        )
+        if args.cache_dir:
+            print(
+                f"  train with: gem-train train --config movielens data.movielens.cache_dir={args.cache_dir}"
+            )
+        else:
+            print("  train with: gem-train train --config movielens")
+        return 0
+    from gem_train.data.synthetic import SyntheticAds
+    from gem_train.metrics import binary_metrics
+
+    cfg = load_config(args.config, args.overrides)
+    ds = SyntheticAds(cfg.data.synthetic, cfg.run.seed)
+    import numpy as np
+
+    parts = [ds.get("eval", i, cfg.data.eval_batch_size) for i in range(ds.num_batches("eval", 1024))]
+    lengths = np.concatenate([p.batch.sequences["history"].lengths.numpy() for p in parts])
+    print(f"synthetic ads dataset (seed {cfg.run.seed}); features: {ds.spec}")
+    print(
+        f"  history length ({cfg.data.synthetic.history_dist}): mean {lengths.mean():.1f}, median "
+        f"{np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, max {lengths.max()}"
+    )
+    for j, task in enumerate(ds.spec.tasks):
+        m = np.concatenate([p.batch.label_mask.numpy()[:, j] for p in parts])
+        y = np.concatenate([p.batch.labels.numpy()[:, j] for p in parts])[m]
+        t = np.concatenate([p.true_probs[:, j] for p in parts])[m]
+        print(f"  {task}: base rate {y.mean():.4f}, ground-truth NE floor {binary_metrics(t, y).ne:.4f}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("gem-train: the training command is not built yet (see the gem-train issue).", file=sys.stderr)
+    """Entry point of ``gem-train``; returns the exit status (2: usage or config error, 1: failure)."""
+    args = _parser().parse_args(argv)
+    # DCP warns on every single-process save/load that it assumes one process: that is the intent here.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    from gem_train.checkpoint import CheckpointError
+    from gem_train.data.movielens import DataFetchError, MovieLensFormatError
+    from gem_train.trainer import NonFiniteLossError
+
+    try:
+        if args.command is None:
+            return _train(load_config("tiny-cpu"), None)
+        if args.command == "train":
+            if args.resume and args.config is None and args.resume != "latest":
+                cfg, _ = _checkpoint_config(Path(args.resume), args.overrides)
+            else:
+                cfg = load_config(args.config, args.overrides)
+            return _train(cfg, args.resume)
+        if args.command == "baseline":
+            cfg = load_config(args.config, ["model.arch=mlp", *args.overrides])
+            cfg.run.name = f"{cfg.run.name}-baseline"
+            return _train(cfg, None)
+        if args.command == "eval":
+            return _eval(args)
+        if args.command == "bench":
+            return _bench(args)
+        if args.command == "data":
+            return _data(args)
+        if args.command == "config":
+            from gem_train.config import config_to_dict, dumps_toml
+
+            print(dumps_toml(config_to_dict(load_config(args.config, args.overrides))), end="")
+            return 0
+    except ConfigError as e:
+        print(f"gem-train: config error: {e}", file=sys.stderr)
+        return 2
+    except (
+        NonFiniteLossError,
+        MovieLensFormatError,
+        DataFetchError,
+        CheckpointError,
+        FileNotFoundError,
+    ) as e:
+        print(f"gem-train: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     return 2
 
 

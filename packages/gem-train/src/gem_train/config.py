@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 __all__ = [
     "SHIPPED_CONFIGS",
+    "BaselineConfig",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -33,6 +34,7 @@ __all__ = [
     "TrainConfig",
     "TrainerConfig",
     "apply_overrides",
+    "check_value",
     "config_from_dict",
     "config_to_dict",
     "dumps_toml",
@@ -63,11 +65,25 @@ class RunConfig:
 
 
 @dataclass
-class ModelSection:
-    """A gem-model named config plus field overrides (checked against ``gem_model.GemConfig``)."""
+class BaselineConfig:
+    """The plain baseline (``model.arch = "mlp"``): mean-pooled embeddings + dense features -> MLP."""
 
+    embedding_dim: int = 16
+    hidden: list[int] = field(default_factory=lambda: [128, 64])  # [] = logistic regression
+
+
+@dataclass
+class ModelSection:
+    """A gem-model named config plus field overrides (checked against ``gem_model.GemConfig``).
+
+    The features of the model always come from the dataset (``FeatureSpec`` of the data source); ``name``
+    and ``overrides`` choose the architecture. ``arch = "mlp"`` trains the baseline instead of GEM.
+    """
+
+    arch: Literal["gem", "mlp"] = "gem"
     name: str = "tiny"
     overrides: dict[str, Any] = field(default_factory=dict)
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
 
 
 @dataclass
@@ -211,6 +227,8 @@ class TrainConfig:
             raise ConfigError(
                 f"data.movielens.eval_fraction must be in (0, 1), got {self.data.movielens.eval_fraction!r}"
             )
+        if self.model.baseline.embedding_dim <= 0 or any(h <= 0 for h in self.model.baseline.hidden):
+            raise ConfigError("model.baseline.embedding_dim and model.baseline.hidden must be positive")
         if self.data.synthetic.num_actions < 2:
             raise ConfigError("data.synthetic.num_actions must be >= 2 (views and clicks at least)")
 
@@ -233,7 +251,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _check_value(value: Any, tp: Any, key: str) -> Any:
+def check_value(value: Any, tp: Any, key: str) -> Any:
     """Return ``value`` converted to ``tp`` (int -> float only), or raise ConfigError naming ``key``."""
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -245,7 +263,7 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
     if origin in (types.UnionType, typing.Union):
         for arg in typing.get_args(tp):
             try:
-                return _check_value(value, arg, key)
+                return check_value(value, arg, key)
             except ConfigError:
                 continue
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
@@ -266,7 +284,7 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an array, got {type(value).__name__} {value!r}")
         args = typing.get_args(tp)
         item_tp = args[0] if args else Any
-        items = [_check_value(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        items = [check_value(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if (origin is tuple or tp is tuple) else items
     if tp is bool:
         if not isinstance(value, bool):
@@ -304,7 +322,7 @@ def config_from_dict(cls: type[_T], data: dict[str, Any], prefix: str = "") -> _
         dotted = f"{prefix}.{key}" if prefix else key
         if key not in names:
             raise ConfigError(f"unknown config key '{dotted}' (known keys here: {', '.join(names)})")
-        kwargs[key] = _check_value(value, hints[key], dotted)
+        kwargs[key] = check_value(value, hints[key], dotted)
     return cls(**kwargs)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from gem_model import FeatureSpec, GemBatch
@@ -86,6 +87,9 @@ def _loader(stream: BatchStream, num_workers: int, pin: bool) -> DataLoader:
         pin_memory=pin,
         persistent_workers=False,
         prefetch_factor=4 if num_workers > 0 else None,
+        # A private generator: creating a DataLoader iterator draws a base seed, which would otherwise
+        # come from (and move) the global torch RNG that exact resume restores.
+        generator=torch.Generator().manual_seed(0),
     )
 
 

@@ -39,6 +39,7 @@ from gem_train.config import MovieLensConfig
 from gem_train.data.loader import LoadedBatch
 
 __all__ = [
+    "DataFetchError",
     "MovieLens100K",
     "MovieLensEvents",
     "MovieLensFormatError",
@@ -54,6 +55,10 @@ _N_DENSE = 8
 _MAX_GENRES = 6
 _N_YEAR_BUCKETS = 16
 _AGE_BUCKETS = (18, 25, 35, 45, 50, 56)  # the ML-1M convention, applied to ML-100K's exact ages
+
+
+class DataFetchError(RuntimeError):
+    """MovieLens-100K could not be fetched (no pip, no network, not the expected wheel)."""
 
 
 class MovieLensFormatError(ValueError):
@@ -74,7 +79,7 @@ def _pip_command() -> list[str]:
         exe = shutil.which(name)
         if exe:
             return [exe]
-    raise RuntimeError(
+    raise DataFetchError(
         "fetching MovieLens-100K needs pip (to run `pip download --no-deps recbole==1.2.1`); none found. "
         "Install pip, or download the wheel yourself and pass it with --wheel"
     )
@@ -100,13 +105,13 @@ def fetch_movielens_100k(cache_dir: str | Path | None = None, wheel: str | Path 
             cmd = [*_pip_command(), "download", "--no-deps", "--only-binary=:all:", RECBOLE, "-d", str(cache)]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
-                raise RuntimeError(
+                raise DataFetchError(
                     f"`{' '.join(cmd)}` failed (exit {proc.returncode}); is PyPI reachable?\n"
                     f"{proc.stderr.strip()[-2000:]}"
                 )
             found = sorted(cache.glob("recbole-1.2.1-*.whl"))
             if not found:
-                raise RuntimeError(f"pip reported success but no recbole wheel is in {cache}")
+                raise DataFetchError(f"pip reported success but no recbole wheel is in {cache}")
         wheel = found[0]
     tmp = cache / "ml-100k.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -116,7 +121,7 @@ def fetch_movielens_100k(cache_dir: str | Path | None = None, wheel: str | Path 
         for f in _FILES:
             member = _WHEEL_DIR + f
             if member not in names:
-                raise RuntimeError(f"{wheel} has no {member}; is it the recbole 1.2.1 wheel?")
+                raise DataFetchError(f"{wheel} has no {member}; is it the recbole 1.2.1 wheel?")
             (tmp / f).write_bytes(z.read(member))
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)  # atomic: a half-extracted directory is never taken for a complete one

@@ -1,0 +1,121 @@
+"""Optimizers of a GEM run: dense AdamW with warm-up + cosine decay, row-wise Adagrad for embedding tables.
+
+Row-wise Adagrad (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``) keeps one accumulator per table row, the mean of the
+squared gradient over the row, instead of one per element: the optimizer state of a table with ``D``-wide rows
+is ``1/D`` of plain Adagrad's, which is what makes it the default for huge sparse tables.
+
+TorchRec fuses this optimizer into the backward of *sharded* tables (``DistributedModelParallel`` with
+``fused_params``). An unsharded ``EmbeddingBagCollection`` (one process, or DDP as here) has ordinary
+``nn.Parameter`` weights with ordinary gradients, so :class:`RowWiseAdagrad` applies the same update as a
+regular ``torch.optim.Optimizer`` step after the backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from gem_train.config import OptimConfig
+
+__all__ = ["RowWiseAdagrad", "build_optimizers", "lr_factor", "set_lr"]
+
+
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """Adagrad with one accumulator per row of each (2-D) parameter.
+
+    For a table ``W`` ``[rows, dim]`` with gradient ``G``: ``s_r += mean_j G_rj^2`` and
+    ``W_r -= lr * G_r / (sqrt(s_r) + eps)``. Rows with a zero gradient (not looked up) are unchanged.
+    Accepts dense or sparse (``nn.EmbeddingBag(sparse=True)``) gradients. 1-D parameters are treated as
+    tables of width 1. The accumulator is float32 whatever the table's dtype.
+    """
+
+    def __init__(self, params: Iterable[Tensor], lr: float = 0.05, eps: float = 1e-8) -> None:
+        if lr <= 0:
+            raise ValueError(f"RowWiseAdagrad: lr must be > 0, got {lr}")
+        super().__init__(params, {"lr": lr, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, eps = group["lr"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                w = p if p.dim() == 2 else p.view(-1, 1)
+                state = self.state[p]
+                if "sum" not in state:
+                    state["sum"] = torch.zeros(w.shape[0], dtype=torch.float32, device=p.device)
+                acc: Tensor = state["sum"]
+                if p.grad.is_sparse:
+                    g = p.grad.coalesce()
+                    rows = g.indices()[0]
+                    vals = g.values().float().reshape(rows.numel(), -1)
+                    acc.index_add_(0, rows, vals.square().mean(dim=1))
+                    scale = lr / (acc[rows].sqrt() + eps)
+                    w.index_add_(0, rows, (-scale[:, None] * vals).to(w.dtype))
+                else:
+                    g = p.grad.float().reshape(w.shape)
+                    acc.add_(g.square().mean(dim=1))
+                    w.sub_((lr * g / (acc.sqrt() + eps)[:, None]).to(w.dtype))
+        return loss
+
+
+def _decay_split(params: list[Tensor]) -> list[dict]:
+    # No weight decay on biases and norm gains (1-D): decaying them towards 0 only hurts.
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = []
+    if decay:
+        groups.append({"params": decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizers(
+    dense: Iterable[Tensor], sparse: Iterable[Tensor], cfg: OptimConfig
+) -> list[torch.optim.Optimizer]:
+    """``[AdamW over dense params, RowWiseAdagrad over embedding tables]`` (an empty group is left out)."""
+    dense = [p for p in dense if p.requires_grad]
+    sparse = [p for p in sparse if p.requires_grad]
+    opts: list[torch.optim.Optimizer] = []
+    if dense:
+        opts.append(
+            torch.optim.AdamW(
+                _decay_split(dense),
+                lr=cfg.lr,
+                betas=(cfg.beta1, cfg.beta2),
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay,
+            )
+        )
+    if sparse:
+        opts.append(RowWiseAdagrad(sparse, lr=cfg.sparse_lr, eps=cfg.sparse_eps))
+    if not opts:
+        raise ValueError("the model has no trainable parameters")
+    return opts
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
+    """Multiplier of the dense learning rate at (0-based) ``step``.
+
+    Linear warm-up from ``1/warmup`` to 1 over ``warmup_steps``, then cosine decay from 1 to ``min_ratio`` at
+    the last step.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - 1 - warmup_steps)
+    progress = min(1.0, max(0.0, (step - warmup_steps) / span))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
