@@ -11,6 +11,7 @@ tiles. Under ``TRITON_INTERPRET=1`` (CPU tests) a fixed configuration runs; test
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -44,68 +45,74 @@ def _bucket(n: int) -> int:
     return max(16, triton.next_power_of_2(max(n, 1)))
 
 
-def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+# Candidates per kernel and shape class, as (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M tiles the
+# queries and BLOCK_N the keys in every kernel. "short_kv": cross-attention with <= SHORT_KV keys (one key
+# tile per sequence, many query rows per program); "few_q": PMA with <= FEW_Q queries (one query tile per
+# sequence, long key tiles); "general": everything else. The dK/dV kernel's outer tile is BLOCK_N.
+_CANDIDATES = {
+    "fwd": {
+        "general": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)],
+        "short_kv": [(128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 16, 4, 3)],
+        "few_q": [(32, 128, 4, 3), (32, 64, 4, 3), (16, 128, 4, 3)],
+    },
+    "dq": {
+        "general": [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)],
+        "short_kv": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 16, 4, 3)],
+        "few_q": [(32, 64, 4, 3), (32, 128, 4, 3), (16, 128, 4, 3)],
+    },
+    "dkdv": {
+        "general": [(32, 128, 4, 4), (64, 128, 8, 3), (64, 64, 4, 3)],
+        "short_kv": [(64, 64, 4, 3), (128, 64, 8, 3), (32, 64, 4, 4), (128, 16, 4, 3)],
+        "few_q": [(32, 128, 4, 3), (32, 64, 4, 3), (16, 128, 4, 3)],
+    },
+}
 
 
-# Candidates per kernel; the prune functions keep those fit for the shape bucket.
-_FWD_CONFIGS = [
-    _cfg(128, 64, 8, 3),
-    _cfg(128, 128, 8, 3),
-    _cfg(64, 64, 4, 3),
-    _cfg(128, 32, 4, 3),
-    _cfg(128, 16, 4, 3),
-    _cfg(64, 32, 4, 3),
-    _cfg(32, 64, 4, 3),
-    _cfg(32, 128, 4, 3),
-    _cfg(16, 128, 4, 3),
-]
-_DQ_CONFIGS = [
-    _cfg(128, 64, 8, 2),
-    _cfg(64, 64, 4, 2),
-    _cfg(128, 32, 8, 2),
-    _cfg(128, 16, 4, 2),
-    _cfg(64, 32, 4, 2),
-    _cfg(32, 64, 4, 2),
-    _cfg(16, 64, 4, 2),
-]
-_DKDV_CONFIGS = [
-    _cfg(64, 128, 8, 2),
-    _cfg(64, 64, 4, 2),
-    _cfg(32, 128, 8, 2),
-    _cfg(64, 32, 4, 2),
-    _cfg(128, 16, 4, 2),
-    _cfg(64, 16, 4, 2),
-    _cfg(32, 64, 4, 2),
-    _cfg(16, 64, 4, 2),
-]
+def shape_class(bucket_q: int, bucket_kv: int) -> str:
+    if bucket_kv <= SHORT_KV:
+        return "short_kv"
+    if bucket_q <= FEW_Q:
+        return "few_q"
+    return "general"
 
 
-def _prune(configs, named_args, **kwargs):
-    """Keep the candidates that fit the bucketed shape (see the module docstring)."""
-    bq, bkv = named_args["bucket_q"], named_args["bucket_kv"]
-
-    def fits(c: triton.Config) -> bool:
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        if bkv <= SHORT_KV:  # a key tile no longer than the keys, many query rows per program
-            return bn <= bkv and bm >= 64
-        if bq <= FEW_Q:  # a query tile no longer than the queries, long key tiles
-            return bm <= bq and bn >= 64
-        return bm >= 64 and bn >= 64
-
-    return [c for c in configs if fits(c)] or configs[:1]
+def _configs(kernel: str) -> list[triton.Config]:
+    seen = {c for cands in _CANDIDATES[kernel].values() for c in cands}
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bm, bn, w, st in sorted(seen)
+    ]
 
 
-_KEY = ["bucket_b", "bucket_q", "bucket_kv", "band_kind", "ACT", "D", "DV", "PRECISION"]
-_fwd_tuned = triton.autotune(_FWD_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})(
-    _fwd_kernel
-)
-_dq_tuned = triton.autotune(_DQ_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})(
-    _dq_kernel
-)
-_dkdv_tuned = triton.autotune(_DKDV_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})(
-    _dkdv_kernel
-)
+def _pruner(kernel: str):
+    def prune(configs, named_args, **kwargs):
+        """Keep the candidates of the shape class (and key tiles no longer than the keys' bucket)."""
+        bq, bkv = named_args["bucket_q"], named_args["bucket_kv"]
+        wanted = set(_CANDIDATES[kernel][shape_class(bq, bkv)])
+        kept = [
+            c
+            for c in configs
+            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted
+            and c.kwargs["BLOCK_N"] <= max(bkv, 16)
+        ]
+        return kept or configs[:1]
+
+    return prune
+
+
+_KEY = ["bucket_b", "bucket_q", "bucket_kv", "band_kind", "ACT", "D", "DV", "PRECISION", "FAST_ACT"]
+
+
+def _tuned(kernel: str, fn):
+    return triton.autotune(
+        _configs(kernel), key=_KEY, prune_configs_by={"early_config_prune": _pruner(kernel)}
+    )(fn)
+
+
+_fwd_tuned = _tuned("fwd", _fwd_kernel)
+_dq_tuned = _tuned("dq", _dq_kernel)
+_dkdv_tuned = _tuned("dkdv", _dkdv_kernel)
+_fast_act_ok = True  # cleared if the hardware-tanh activations fail to compile on this GPU/Triton
 
 
 def _launch(tuned, raw, grid_of, args, consts) -> None:
@@ -118,7 +125,19 @@ def _launch(tuned, raw, grid_of, args, consts) -> None:
             return
         raw[grid_of(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, **consts)
     elif 0 not in grid_of(16, 16):
-        tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
+        try:
+            tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
+        except triton.CompilationError:
+            if not consts["FAST_ACT"]:
+                raise
+            global _fast_act_ok
+            _fast_act_ok = False
+            warnings.warn(
+                "hardware tanh failed to compile; GDPA activations fall back to tl.sigmoid", stacklevel=3
+            )
+            tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](
+                *args, **{**consts, "FAST_ACT": False}
+            )
 
 
 def _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right):
@@ -136,6 +155,13 @@ def _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right):
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         # fp32 inputs get exact fp32 products unless the user allowed TF32, as torch.matmul does.
         PRECISION="tf32" if q.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee",
+        # silu/gelu through the hardware tanh (2^-11 relative error, below bf16/fp16 rounding): CUDA only.
+        FAST_ACT=(
+            _fast_act_ok
+            and not triton_interpreted()
+            and q.dtype in (torch.bfloat16, torch.float16)
+            and activation in ("silu", "gelu")
+        ),
     )
     return left, right, buckets, consts
 

@@ -1,7 +1,12 @@
 """Backward Triton kernels of jagged attention: dQ (and delta) first, then dK/dV; no atomics.
 
-See :mod:`.triton_common` for the layout and the band.
+See :mod:`.triton_common` for the layout and the band. Softmax: ``P = exp(S - lse)``,
+``dS = P * (dO V^T - delta)``. GDPA: ``dS = out_scale * (dO V^T) * act'(S)``. Then ``dQ = qk_scale dS K``,
+``dK = qk_scale dS^T Q``, ``dV = P^T dO`` (``out_scale * act(S)^T dO`` for GDPA).
 """
+
+# fmt: off
+# (Kernel argument lists stay packed: one argument per line would triple the length of this file.)
 
 from __future__ import annotations
 
@@ -12,37 +17,12 @@ from gem_kernels.attention.triton_common import LOG2E, _act_and_grad, _band_rang
 
 
 @triton.jit
-def _dq_tiles(
-    dq,
-    q,
-    do,
-    lse2,
-    delta,
-    K,
-    V,
-    k_row0,
-    v_row0,
-    stride_kt,
-    stride_vt,
-    offs_m,
-    offs_d,
-    offs_dv,
-    len_kv,
-    lo,
-    hi,
-    left,
-    right,
-    qk_scale,
-    out_scale,
-    ACT: tl.constexpr,
-    MASK: tl.constexpr,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _dq_tiles(dq, q, do, lse2, delta, K, V, k_row0, v_row0, stride_kt, stride_vt, offs_m, offs_d, offs_dv,
+              len_kv, lo, hi, left, right, s_scale,
+              ACT: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    """Accumulate ``dS K`` over key tiles ``[lo, hi)`` into ``dq`` ``[BM, BD]`` (unscaled)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_ptrs = K + k_row0 + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :]  # [BN, BD]
@@ -53,63 +33,32 @@ def _dq_tiles(
         else:
             k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
             vt = tl.load(vt_ptrs, mask=offs_dv[:, None] < DV, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
         dp = tl.dot(do, vt, input_precision=PRECISION)  # [BM, BN]
         if ACT == 0:
             p = tl.math.exp2(s - lse2[:, None])
             ds = p * (dp - delta[:, None])
         else:
-            _, da = _act_and_grad(s, ACT)
+            _, da = _act_and_grad(s, ACT, FAST_ACT)
             ds = dp * da
         if MASK:
-            visible = (
-                (offs_n[None, :] < len_kv)
-                & (offs_n[None, :] >= offs_m[:, None] - left)
-                & (offs_n[None, :] <= offs_m[:, None] + right)
-            )
+            visible = ((offs_n[None, :] < len_kv)
+                       & (offs_n[None, :] >= offs_m[:, None] - left)
+                       & (offs_n[None, :] <= offs_m[:, None] + right))
             ds = tl.where(visible, ds, 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
 
 @triton.jit
-def _dq_kernel(
-    Q,
-    K,
-    V,
-    Out,
-    DO,
-    DQ,
-    LSE,
-    DELTA,
-    q_offsets,
-    kv_offsets,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    n_heads,
-    left,
-    right,
-    qk_scale,
-    out_scale,
-    bucket_b,
-    bucket_q,
-    bucket_kv,
-    band_kind,
-    ACT: tl.constexpr,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets,
+               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+               n_heads, left, right, qk_scale, out_scale,
+               bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
+               ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    """One program per (sequence x head, query tile): ``DQ``, and for softmax ``DELTA = rowsum(dO * O)``."""
     pid_bh = tl.program_id(0)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = pid_bh // n_heads
@@ -144,145 +93,30 @@ def _dq_kernel(
         v_row0 = kv_start * stride_vt + h * stride_vh
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         lo, full_lo, full_hi, hi = _band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
-        dq = _dq_tiles(
-            dq,
-            q,
-            do,
-            lse2,
-            delta,
-            K,
-            V,
-            k_row0,
-            v_row0,
-            stride_kt,
-            stride_vt,
-            offs_m,
-            offs_d,
-            offs_dv,
-            len_kv,
-            lo,
-            full_lo,
-            left,
-            right,
-            s_scale,
-            out_scale,
-            ACT,
-            True,
-            D,
-            DV,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DV,
-            PRECISION,
-        )
-        dq = _dq_tiles(
-            dq,
-            q,
-            do,
-            lse2,
-            delta,
-            K,
-            V,
-            k_row0,
-            v_row0,
-            stride_kt,
-            stride_vt,
-            offs_m,
-            offs_d,
-            offs_dv,
-            len_kv,
-            full_lo,
-            full_hi,
-            left,
-            right,
-            s_scale,
-            out_scale,
-            ACT,
-            False,
-            D,
-            DV,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DV,
-            PRECISION,
-        )
-        dq = _dq_tiles(
-            dq,
-            q,
-            do,
-            lse2,
-            delta,
-            K,
-            V,
-            k_row0,
-            v_row0,
-            stride_kt,
-            stride_vt,
-            offs_m,
-            offs_d,
-            offs_dv,
-            len_kv,
-            full_hi,
-            hi,
-            left,
-            right,
-            s_scale,
-            out_scale,
-            ACT,
-            True,
-            D,
-            DV,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DV,
-            PRECISION,
-        )
+        dq = _dq_tiles(dq, q, do, lse2, delta, K, V, k_row0, v_row0, stride_kt, stride_vt, offs_m, offs_d,
+                       offs_dv, len_kv, lo, full_lo, left, right, s_scale, ACT, True, D, DV, BLOCK_N, BLOCK_D,
+                       BLOCK_DV, PRECISION, FAST_ACT)
+        dq = _dq_tiles(dq, q, do, lse2, delta, K, V, k_row0, v_row0, stride_kt, stride_vt, offs_m, offs_d,
+                       offs_dv, len_kv, full_lo, full_hi, left, right, s_scale, ACT, False, D, DV, BLOCK_N,
+                       BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
+        dq = _dq_tiles(dq, q, do, lse2, delta, K, V, k_row0, v_row0, stride_kt, stride_vt, offs_m, offs_d,
+                       offs_dv, len_kv, full_hi, hi, left, right, s_scale, ACT, True, D, DV, BLOCK_N, BLOCK_D,
+                       BLOCK_DV, PRECISION, FAST_ACT)
         if ACT == 0:
             dq = dq * qk_scale
         else:
             dq = dq * (qk_scale * out_scale)
-        tl.store(
-            DQ + q_rows + offs_d[None, :],
-            dq.to(DQ.dtype.element_ty),
-            mask=row_ok[:, None] & (offs_d[None, :] < D),
-        )
+        tl.store(DQ + q_rows + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
-def _dkdv_tiles(
-    dk,
-    dv,
-    k,
-    v,
-    Q,
-    DO,
-    LSE,
-    DELTA,
-    q_start,
-    h,
-    n_heads,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    offs_n,
-    offs_d,
-    offs_dv,
-    len_q,
-    lo,
-    hi,
-    left,
-    right,
-    s_scale,
-    ACT: tl.constexpr,
-    MASK: tl.constexpr,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh, stride_ot,
+                stride_oh, offs_n, offs_d, offs_dv, len_q, lo, hi, left, right, s_scale,
+                ACT: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    """Accumulate ``P^T dO`` into ``dv`` and ``dS^T Q`` into ``dk`` over query tiles ``[lo, hi)``."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         qt_ptrs = Q + (q_start + offs_m[None, :]) * stride_qt + h * stride_qh + offs_d[:, None]  # [BD, BM]
@@ -303,14 +137,12 @@ def _dkdv_tiles(
             pt = tl.math.exp2(st - lse2[None, :])
             dst = pt * (dpt - delta[None, :])
         else:
-            pt, da = _act_and_grad(st, ACT)
+            pt, da = _act_and_grad(st, ACT, FAST_ACT)
             dst = dpt * da
         if MASK:
-            visible = (
-                (offs_m[None, :] < len_q)
-                & (offs_n[:, None] >= offs_m[None, :] - left)
-                & (offs_n[:, None] <= offs_m[None, :] + right)
-            )
+            visible = ((offs_m[None, :] < len_q)
+                       & (offs_n[:, None] >= offs_m[None, :] - left)
+                       & (offs_n[:, None] <= offs_m[None, :] + right))
             pt = tl.where(visible, pt, 0.0)
             dst = tl.where(visible, dst, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
@@ -319,43 +151,14 @@ def _dkdv_tiles(
 
 
 @triton.jit
-def _dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    DK,
-    DV_,
-    LSE,
-    DELTA,
-    q_offsets,
-    kv_offsets,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    n_heads,
-    left,
-    right,
-    qk_scale,
-    out_scale,
-    bucket_b,
-    bucket_q,
-    bucket_kv,
-    band_kind,
-    ACT: tl.constexpr,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _dkdv_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                 n_heads, left, right, qk_scale, out_scale,
+                 bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
+                 ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    """One program per (sequence x head, key tile): ``DK`` and ``DV_``, looping over the query tiles."""
     pid_bh = tl.program_id(0)
     # Earlier key tiles are seen by more queries under a causal band: start them first.
     start_n = tl.program_id(1) * BLOCK_N
@@ -382,120 +185,22 @@ def _dkdv_kernel(
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         # Query i sees key j iff j - right <= i <= j + left: the band seen from the key side.
         lo, full_lo, full_hi, hi = _band_ranges(start_n, len_q, right, left, BLOCK_N, BLOCK_M)
-        dk, dv = _dkdv_tiles(
-            dk,
-            dv,
-            k,
-            v,
-            Q,
-            DO,
-            LSE,
-            DELTA,
-            q_start,
-            h,
-            n_heads,
-            stride_qt,
-            stride_qh,
-            stride_ot,
-            stride_oh,
-            offs_n,
-            offs_d,
-            offs_dv,
-            len_q,
-            lo,
-            full_lo,
-            left,
-            right,
-            s_scale,
-            ACT,
-            True,
-            D,
-            DV,
-            BLOCK_M,
-            BLOCK_D,
-            BLOCK_DV,
-            PRECISION,
-        )
-        dk, dv = _dkdv_tiles(
-            dk,
-            dv,
-            k,
-            v,
-            Q,
-            DO,
-            LSE,
-            DELTA,
-            q_start,
-            h,
-            n_heads,
-            stride_qt,
-            stride_qh,
-            stride_ot,
-            stride_oh,
-            offs_n,
-            offs_d,
-            offs_dv,
-            len_q,
-            full_lo,
-            full_hi,
-            left,
-            right,
-            s_scale,
-            ACT,
-            False,
-            D,
-            DV,
-            BLOCK_M,
-            BLOCK_D,
-            BLOCK_DV,
-            PRECISION,
-        )
-        dk, dv = _dkdv_tiles(
-            dk,
-            dv,
-            k,
-            v,
-            Q,
-            DO,
-            LSE,
-            DELTA,
-            q_start,
-            h,
-            n_heads,
-            stride_qt,
-            stride_qh,
-            stride_ot,
-            stride_oh,
-            offs_n,
-            offs_d,
-            offs_dv,
-            len_q,
-            full_hi,
-            hi,
-            left,
-            right,
-            s_scale,
-            ACT,
-            True,
-            D,
-            DV,
-            BLOCK_M,
-            BLOCK_D,
-            BLOCK_DV,
-            PRECISION,
-        )
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh,
+                             stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, lo, full_lo, left, right,
+                             s_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh,
+                             stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_lo, full_hi, left,
+                             right, s_scale, ACT, False, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION,
+                             FAST_ACT)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh,
+                             stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_hi, hi, left, right,
+                             s_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
         if ACT == 0:
             dk = dk * qk_scale
         else:
             dk = dk * (qk_scale * out_scale)
             dv = dv * out_scale
-        tl.store(
-            DK + k_rows + offs_d[None, :],
-            dk.to(DK.dtype.element_ty),
-            mask=col_ok[:, None] & (offs_d[None, :] < D),
-        )
-        tl.store(
-            DV_ + v_rows + offs_dv[None, :],
-            dv.to(DV_.dtype.element_ty),
-            mask=col_ok[:, None] & (offs_dv[None, :] < DV),
-        )
+        tl.store(DK + k_rows + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=col_ok[:, None] & (offs_d[None, :] < D))
+        tl.store(DV_ + v_rows + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
+                 mask=col_ok[:, None] & (offs_dv[None, :] < DV))

@@ -28,12 +28,30 @@ GELU_K: tl.constexpr = tl.constexpr(1.5957691216057308)
 
 
 @triton.jit
-def _act(s, ACT: tl.constexpr):
+def _tanh_approx(x):
+    # One MUFU instruction (max relative error ~2^-11), instead of the exp and the reciprocal of a sigmoid.
+    return tl.inline_asm_elementwise(
+        "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _sigmoid(x, FAST: tl.constexpr):
+    """sigmoid(x); with FAST (CUDA, 16-bit inputs) as 0.5 + 0.5 tanh(x / 2) on the hardware tanh."""
+    if FAST:
+        y = 0.5 + 0.5 * _tanh_approx(0.5 * x)
+    else:
+        y = tl.sigmoid(x)
+    return y
+
+
+@triton.jit
+def _act(s, ACT: tl.constexpr, FAST: tl.constexpr):
     """GDPA activation (ACT: 1 silu, 2 gelu-tanh, 3 relu, 4 relu2, 5 identity)."""
     if ACT == 1:
-        y = s * tl.sigmoid(s)
+        y = s * _sigmoid(s, FAST)
     elif ACT == 2:
-        y = s * tl.sigmoid((s + 0.044715 * s * s * s) * GELU_K)
+        y = s * _sigmoid((s + 0.044715 * s * s * s) * GELU_K, FAST)
     elif ACT == 3:
         y = tl.maximum(s, 0.0)
     elif ACT == 4:
@@ -45,14 +63,14 @@ def _act(s, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_and_grad(s, ACT: tl.constexpr):
+def _act_and_grad(s, ACT: tl.constexpr, FAST: tl.constexpr):
     """(act(s), act'(s)) sharing the sigmoid."""
     if ACT == 1:
-        sg = tl.sigmoid(s)
+        sg = _sigmoid(s, FAST)
         y = s * sg
         dy = sg * (1.0 + s * (1.0 - sg))
     elif ACT == 2:
-        sg = tl.sigmoid((s + 0.044715 * s * s * s) * GELU_K)
+        sg = _sigmoid((s + 0.044715 * s * s * s) * GELU_K, FAST)
         y = s * sg
         dy = sg + s * sg * (1.0 - sg) * GELU_K * (1.0 + 3 * 0.044715 * s * s)
     elif ACT == 3:

@@ -1,5 +1,8 @@
 """Forward Triton kernel of jagged attention (softmax and GDPA); see :mod:`.triton_common`."""
 
+# fmt: off
+# (Kernel argument lists stay packed: one argument per line would triple the length of these files.)
+
 from __future__ import annotations
 
 import triton
@@ -9,35 +12,12 @@ from gem_kernels.attention.triton_common import LN2, LOG2E, _act, _band_ranges
 
 
 @triton.jit
-def _fwd_tiles(
-    acc,
-    m_i,
-    l_i,
-    q,
-    K,
-    V,
-    k_row0,
-    v_row0,
-    stride_kt,
-    stride_vt,
-    offs_m,
-    offs_d,
-    offs_dv,
-    len_kv,
-    lo,
-    hi,
-    left,
-    right,
-    qk_scale,
-    ACT: tl.constexpr,
-    MASK: tl.constexpr,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _fwd_tiles(acc, m_i, l_i, q, K, V, k_row0, v_row0, stride_kt, stride_vt, offs_m, offs_d, offs_dv,
+               len_kv, lo, hi, left, right, qk_scale,
+               ACT: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    """Accumulate key tiles ``[lo, hi)`` into ``acc`` ``[BM, BDV]`` (and the running max/sum for softmax)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt_ptrs = K + k_row0 + offs_n[None, :].to(tl.int64) * stride_kt + offs_d[:, None]  # [BD, BN]
@@ -50,11 +30,9 @@ def _fwd_tiles(
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BM, BN] fp32
         if MASK:
-            visible = (
-                (offs_n[None, :] < len_kv)
-                & (offs_n[None, :] >= offs_m[:, None] - left)
-                & (offs_n[None, :] <= offs_m[:, None] + right)
-            )
+            visible = ((offs_n[None, :] < len_kv)
+                       & (offs_n[None, :] >= offs_m[:, None] - left)
+                       & (offs_n[None, :] <= offs_m[:, None] + right))
         if ACT == 0:
             if MASK:
                 s = tl.where(visible, s, float("-inf"))
@@ -67,7 +45,7 @@ def _fwd_tiles(
             acc = acc * alpha[:, None]
             m_i = m_new
         else:
-            p = _act(s, ACT)
+            p = _act(s, ACT, FAST_ACT)
             if MASK:
                 p = tl.where(visible, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -75,40 +53,14 @@ def _fwd_tiles(
 
 
 @triton.jit
-def _fwd_kernel(
-    Q,
-    K,
-    V,
-    Out,
-    LSE,
-    q_offsets,
-    kv_offsets,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    n_heads,
-    left,
-    right,
-    qk_scale,
-    out_scale,
-    bucket_b,
-    bucket_q,
-    bucket_kv,
-    band_kind,  # autotune keys only
-    ACT: tl.constexpr,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _fwd_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                n_heads, left, right, qk_scale, out_scale,
+                bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
+                ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    """One program per (sequence x head, query tile): ``Out`` ``[total_q, H, DV]``; ``LSE`` for softmax."""
     pid_bh = tl.program_id(0)
     # Later query tiles see more keys under a causal band: start them first.
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -133,93 +85,16 @@ def _fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         lo, full_lo, full_hi, hi = _band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
-        acc, m_i, l_i = _fwd_tiles(
-            acc,
-            m_i,
-            l_i,
-            q,
-            K,
-            V,
-            k_row0,
-            v_row0,
-            stride_kt,
-            stride_vt,
-            offs_m,
-            offs_d,
-            offs_dv,
-            len_kv,
-            lo,
-            full_lo,
-            left,
-            right,
-            qk_scale,
-            ACT,
-            True,
-            D,
-            DV,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DV,
-            PRECISION,
-        )
-        acc, m_i, l_i = _fwd_tiles(
-            acc,
-            m_i,
-            l_i,
-            q,
-            K,
-            V,
-            k_row0,
-            v_row0,
-            stride_kt,
-            stride_vt,
-            offs_m,
-            offs_d,
-            offs_dv,
-            len_kv,
-            full_lo,
-            full_hi,
-            left,
-            right,
-            qk_scale,
-            ACT,
-            False,
-            D,
-            DV,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DV,
-            PRECISION,
-        )
-        acc, m_i, l_i = _fwd_tiles(
-            acc,
-            m_i,
-            l_i,
-            q,
-            K,
-            V,
-            k_row0,
-            v_row0,
-            stride_kt,
-            stride_vt,
-            offs_m,
-            offs_d,
-            offs_dv,
-            len_kv,
-            full_hi,
-            hi,
-            left,
-            right,
-            qk_scale,
-            ACT,
-            True,
-            D,
-            DV,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DV,
-            PRECISION,
-        )
+        # Masked left edge of the band, unmasked interior, masked right edge (and sequence end).
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, k_row0, v_row0, stride_kt, stride_vt, offs_m,
+                                   offs_d, offs_dv, len_kv, lo, full_lo, left, right, qk_scale, ACT, True, D,
+                                   DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, k_row0, v_row0, stride_kt, stride_vt, offs_m,
+                                   offs_d, offs_dv, len_kv, full_lo, full_hi, left, right, qk_scale, ACT,
+                                   False, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, k_row0, v_row0, stride_kt, stride_vt, offs_m,
+                                   offs_d, offs_dv, len_kv, full_hi, hi, left, right, qk_scale, ACT, True, D,
+                                   DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
         if ACT == 0:
             empty = l_i == 0.0
             acc = acc / tl.where(empty, 1.0, l_i)[:, None]
