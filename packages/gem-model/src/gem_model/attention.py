@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 import gem_kernels
-from gem_model.layers import init_linear
+from gem_model.layers import RMSNorm, init_linear
 
 __all__ = ["ContextCrossAttention", "PoolingAttention", "SequenceSelfAttention", "fixed_offsets"]
 
@@ -29,12 +29,12 @@ class _QKNorm(nn.Module):
 
     def __init__(self, head_dim: int, enabled: bool, eps: float, device: torch.device | str | None) -> None:
         super().__init__()
-        self.q = nn.RMSNorm(head_dim, eps=eps, device=device) if enabled else nn.Identity()
-        self.k = nn.RMSNorm(head_dim, eps=eps, device=device) if enabled else nn.Identity()
+        self.q = RMSNorm(head_dim, eps=eps, device=device) if enabled else nn.Identity()
+        self.k = RMSNorm(head_dim, eps=eps, device=device) if enabled else nn.Identity()
 
     def reset_parameters(self) -> None:
         for norm in (self.q, self.k):
-            if isinstance(norm, nn.RMSNorm):
+            if isinstance(norm, RMSNorm):
                 norm.reset_parameters()
 
     def forward(self, q: Tensor, k: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 import gem_kernels
 from gem_model.attention import PoolingAttention
-from gem_model.layers import Gating, TokenLinear, init_linear
+from gem_model.layers import Gating, RMSNorm, TokenLinear, init_linear
 
 __all__ = ["NonSequenceSummary", "SequenceSummary", "WukongEnsemble", "WukongLayer"]
 
@@ -45,7 +45,7 @@ class SequenceSummary(nn.Module):
     def __init__(self, pma: PoolingAttention, n_recent: int, d_model: int, eps: float, device=None) -> None:
         super().__init__()
         self.n_recent = n_recent
-        self.norm = nn.RMSNorm(d_model, eps=eps, device=device)
+        self.norm = RMSNorm(d_model, eps=eps, device=device)
         self.pma = pma
         self.gate = Gating(d_model, device=device)
 

@@ -27,7 +27,7 @@ from gem_model.batch import GemBatch
 from gem_model.config import GemConfig
 from gem_model.embeddings import GemEmbeddings
 from gem_model.interaction import NonSequenceSummary, SequenceSummary, WukongEnsemble, WukongLayer
-from gem_model.layers import SwiGLU, init_linear
+from gem_model.layers import RMSNorm, SwiGLU, init_linear
 
 __all__ = ["N_TIME_FEATURES", "GemLayer", "GemModel", "multitask_loss"]
 
@@ -157,18 +157,18 @@ class GemLayer(nn.Module):
             )
 
         self.mixer = WukongEnsemble(config.n_experts, expert, d, device=device)
-        self.cross_norm = nn.RMSNorm(d, eps=eps, device=device)
+        self.cross_norm = RMSNorm(d, eps=eps, device=device)
         self.cross = ContextCrossAttention(
             d, config.n_heads, config.head_dim, config.n_context_tokens, activation=config.gdpa_activation,
             qk_norm=config.qk_norm, norm_eps=eps, device=device,
         )  # fmt: skip
-        self.attn_norm = nn.RMSNorm(d, eps=eps, device=device)
+        self.attn_norm = RMSNorm(d, eps=eps, device=device)
         self.attn = SequenceSelfAttention(
             d, config.n_heads, config.head_dim, kind=config.attention_kind(index), window=config.window,
             block_size=config.block_size, causal=config.causal, qk_norm=config.qk_norm,
             rotary_base=config.rotary_base, norm_eps=eps, device=device,
         )  # fmt: skip
-        self.ffn_norm = nn.RMSNorm(d, eps=eps, device=device) if config.ffn_hidden else None
+        self.ffn_norm = RMSNorm(d, eps=eps, device=device) if config.ffn_hidden else None
         self.ffn = SwiGLU(d, config.ffn_hidden, device=device) if config.ffn_hidden else None
 
     def reset_parameters(self) -> None:
@@ -236,7 +236,7 @@ class GemModel(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): GemLayer(config, i, device=device) for i in range(config.n_layers)}
         )
-        self.final_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps, device=device)
+        self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps, device=device)
         self.final_x, self.final_s = _summaries(config, device)
         d_head = (config.n_sum_tokens + config.n_seq_summary_tokens) * config.d_model
         self.heads = nn.ModuleDict(
