@@ -6,16 +6,17 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_precision import triton_fp8
 from gem_precision.formats import ElemFormat
 from gem_precision.mx import MXTensor
-from gem_precision.triton_fp8 import e8m0_to_f32, fp8_round_bits, interpreting
+from gem_precision.triton_fp8 import e8m0_to_f32, fp8_bits, interpreting
 
 # Block layouts of the quantization kernel.
 _ALONG_COLS, _ALONG_ROWS, _SQUARE = 0, 1, 2
 
 
 @triton.jit
-def _block_quantize(x3, amax_bits, nonfinite, r, EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC):
+def _block_quantize(x3, amax_bits, nonfinite, r, EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC, NATIVE):
     """Quantize fp32 values ``x3`` with per-block int32 ``amax_bits`` (broadcastable to ``x3``).
 
     Returns ``(data bits int32 like x3, scale bytes int32 like amax_bits)``.
@@ -27,7 +28,7 @@ def _block_quantize(x3, amax_bits, nonfinite, r, EMAX, MBITS, BIAS, MAXV, NANB, 
     inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact (-e in [-120, 127])
     v = x3 * inv_scale
     v = tl.minimum(tl.maximum(v, -MAXV), MAXV)
-    bits = fp8_round_bits(v, r, MBITS, BIAS, STOCHASTIC)
+    bits = fp8_bits(v, r, MBITS, BIAS, STOCHASTIC, NATIVE)
     bits = tl.where(nonfinite, NANB, bits)
     scale = tl.where(nonfinite, 255, e + 127)
     return bits, scale
@@ -39,7 +40,7 @@ def _to_mx_kernel(
     R, C, stride_xr, stride_xc, stride_sr, stride_sc, seed,
     LAYOUT: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAXV: tl.constexpr, NANB: tl.constexpr,
-    RCEIL: tl.constexpr, STOCHASTIC: tl.constexpr, HADAMARD: tl.constexpr,
+    RCEIL: tl.constexpr, STOCHASTIC: tl.constexpr, HADAMARD: tl.constexpr, NATIVE: tl.constexpr,
 ):  # fmt: skip
     """One [BR, BC] tile of x [R, C] -> FP8 bits data [R, C] (row-major) and E8M0 scales.
 
@@ -75,7 +76,7 @@ def _to_mx_kernel(
         amax = tl.expand_dims(tl.max(a3, axis=2), 2)
         bits, scale = _block_quantize(
             tl.reshape(x, (BR, NB, BLOCK)), amax, amax >= 0x7F800000, tl.reshape(r, (BR, NB, BLOCK)),
-            EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC,
+            EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC, NATIVE,
         )  # fmt: skip
         bits = tl.reshape(bits, (BR, BC))
         sr = rows
@@ -92,7 +93,7 @@ def _to_mx_kernel(
         amax = tl.expand_dims(tl.max(a3, axis=1), 1)
         bits, scale = _block_quantize(
             tl.reshape(x, (NB, BLOCK, BC)), amax, amax >= 0x7F800000, tl.reshape(r, (NB, BLOCK, BC)),
-            EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC,
+            EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC, NATIVE,
         )  # fmt: skip
         bits = tl.reshape(bits, (BR, BC))
         sr = pid_r * NB + tl.arange(0, NB)
@@ -111,7 +112,7 @@ def _to_mx_kernel(
         amax = tl.expand_dims(tl.expand_dims(amax, 2), 1)
         bits, scale = _block_quantize(
             tl.reshape(x, (NBR, BLOCK, NBC, BLOCK)), amax, amax >= 0x7F800000,
-            tl.reshape(r, (NBR, BLOCK, NBC, BLOCK)), EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC,
+            tl.reshape(r, (NBR, BLOCK, NBC, BLOCK)), EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC, NATIVE,
         )  # fmt: skip
         bits = tl.reshape(bits, (BR, BC))
         sr = pid_r * NBR + tl.arange(0, NBR)
@@ -164,6 +165,7 @@ def _to_mx_2d(
         LAYOUT=layout, BLOCK=block, BR=br, BC=bc,
         EMAX=fmt.emax, MBITS=fmt.mbits, BIAS=fmt.bias, MAXV=fmt.max_value, NANB=fmt.nan_bits,
         RCEIL=scale_mode == "rceil", STOCHASTIC=seed is not None, HADAMARD=hadamard is not None,
+        NATIVE=triton_fp8.NATIVE_FP8_CAST,
         num_warps=warps,
     )  # fmt: skip
     return data.view(fmt.dtype), scale
@@ -238,23 +240,23 @@ def _mx_mm_kernel(
     NSUB: tl.constexpr = BK // BLOCK
     for k0 in range(0, K, BK):
         if BF16_DOT:
-            rk = k0 + tl.arange(0, BK)
-            a = tl.load(a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak,
-                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # fmt: skip
-            b = tl.load(b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                        mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)  # fmt: skip
-            kb = rk // BLOCK
-            kmask = rk < K
-            sa = tl.load(as_ptr + sm[:, None] * stride_asm + kb[None, :] * stride_ask,
-                         mask=(rm[:, None] < M) & kmask[None, :], other=127)  # fmt: skip
-            sb = tl.load(bs_ptr + kb[:, None] * stride_bsk + sn[None, :] * stride_bsn,
-                         mask=kmask[:, None] & (rn[None, :] < N), other=127)  # fmt: skip
-            a32 = a.to(tl.float32) * e8m0_to_f32(sa.to(tl.int32))
-            b32 = b.to(tl.float32) * e8m0_to_f32(sb.to(tl.int32))
-            if DOT_F32:  # the interpreter computes bf16 dots wrongly; fp32 holds the same exact values
-                acc = tl.dot(a32, b32, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a32.to(tl.bfloat16), b32.to(tl.bfloat16), acc)
+            for j in tl.static_range(NSUB):
+                rk = k0 + j * BLOCK + tl.arange(0, BLOCK)
+                a = tl.load(a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+                            mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # fmt: skip
+                b = tl.load(b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                            mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)  # fmt: skip
+                kb = (k0 + j * BLOCK) // BLOCK
+                kin = k0 + j * BLOCK < K
+                sa = tl.load(as_ptr + sm * stride_asm + kb * stride_ask, mask=(rm < M) & kin, other=127)
+                sb = tl.load(bs_ptr + kb * stride_bsk + sn * stride_bsn, mask=(rn < N) & kin, other=127)
+                # One scale per row of the A slice and per column of the B slice: a broadcast multiply.
+                a32 = a.to(tl.float32) * e8m0_to_f32(sa.to(tl.int32))[:, None]
+                b32 = b.to(tl.float32) * e8m0_to_f32(sb.to(tl.int32))[None, :]
+                if DOT_F32:  # the interpreter computes bf16 dots wrongly; fp32 holds the same exact values
+                    acc = tl.dot(a32, b32, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a32.to(tl.bfloat16), b32.to(tl.bfloat16), acc)
         else:
             for j in tl.static_range(NSUB):
                 rk = k0 + j * BLOCK + tl.arange(0, BLOCK)

@@ -7,15 +7,16 @@ import triton
 import triton.language as tl
 
 from gem_precision.formats import ElemFormat
-from gem_precision.triton_fp8 import fp8_round_bits, interpreting
+from gem_precision.triton_fp8 import NATIVE_FP8_CAST, fp8_bits, interpreting
 
-_AMAX_EPS = 1e-12  # as in gem_precision.rowwise
+_AMAX_EPS = tl.constexpr(1e-12)  # as in gem_precision.rowwise
 
 
 @triton.jit
 def _rowwise_kernel(
     x_ptr, data_ptr, scale_ptr, R, C, stride_r, stride_c,
-    BR: tl.constexpr, BC: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAXV: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr,
+    MBITS: tl.constexpr, BIAS: tl.constexpr, MAXV: tl.constexpr, NATIVE: tl.constexpr,
 ):  # fmt: skip
     """Rows [BR] of x [R, C]: pass 1 finds each row's amax, pass 2 (re-reading from L2) quantizes."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -33,7 +34,7 @@ def _rowwise_kernel(
         m = rmask[:, None] & (cols[None, :] < C)
         x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=m, other=0.0)
         v = tl.minimum(tl.maximum(x.to(tl.float32) / scale[:, None], -MAXV), MAXV)
-        bits = fp8_round_bits(v, v, MBITS, BIAS, False)
+        bits = fp8_bits(v, v, MBITS, BIAS, False, NATIVE)
         tl.store(data_ptr + rows[:, None] * C + cols[None, :], bits.to(tl.uint8), mask=m)
 
 
@@ -51,7 +52,8 @@ def _col_amax_kernel(x_ptr, amax_ptr, R, C, stride_r, stride_c, BR: tl.constexpr
 @triton.jit
 def _col_quant_t_kernel(
     x_ptr, amax_ptr, data_ptr, scale_ptr, R, C, stride_r, stride_c,
-    BR: tl.constexpr, BC: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAXV: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr,
+    MBITS: tl.constexpr, BIAS: tl.constexpr, MAXV: tl.constexpr, NATIVE: tl.constexpr,
 ):  # fmt: skip
     """Tile of x [R, C] quantized per column and stored transposed: data [C, R], scale [C]."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -63,7 +65,7 @@ def _col_quant_t_kernel(
     if tl.program_id(0) == 0:
         tl.store(scale_ptr + cols, scale, mask=cols < C)
     v = tl.minimum(tl.maximum(x.to(tl.float32) / scale[None, :], -MAXV), MAXV)
-    bits = fp8_round_bits(v, v, MBITS, BIAS, False)
+    bits = fp8_bits(v, v, MBITS, BIAS, False, NATIVE)
     tl.store(data_ptr + cols[None, :] * R + rows[:, None], bits.to(tl.uint8), mask=m)
 
 
@@ -77,7 +79,7 @@ def quantize_rowwise_triton(
     """
     r, c = x.shape
     interp = interpreting()
-    meta = dict(MBITS=fmt.mbits, BIAS=fmt.bias, MAXV=fmt.max_value)
+    meta = dict(MBITS=fmt.mbits, BIAS=fmt.bias, MAXV=fmt.max_value, NATIVE=NATIVE_FP8_CAST)
     if not transpose:
         data = torch.empty((r, c), dtype=torch.uint8, device=x.device)
         scale = torch.empty((r, 1), dtype=torch.float32, device=x.device)
