@@ -87,6 +87,7 @@ def bench_mx_mm(quick: bool) -> None:
         False: [(128, 128, 64, 4, 4)],
     }
     best_overall = None
+    dq_ms = float("inf")
     for m, k, n in ((8192, 8192, 8192), (65536, 1024, 1024)):
         flops = 2 * m * n * k
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -99,12 +100,12 @@ def bench_mx_mm(quick: bool) -> None:
             for cfg in configs[variant][: 1 if quick else None]:
                 try:
                     out = triton_mx.mx_mm_triton(
-                        qa, qw.t(), out_dtype=torch.float32, bf16_dot=variant, config=cfg
+                        qa, qw.t(), out_dtype=torch.float32, bf16_dot=variant, config=cfg, path="fused"
                     )
                     err = ((out.double() - ref).norm() / ref.norm()).item()
                     ms = bench(
                         lambda cfg=cfg, variant=variant, qa=qa, qw=qw: triton_mx.mx_mm_triton(
-                            qa, qw.t(), out_dtype=torch.bfloat16, bf16_dot=variant, config=cfg
+                            qa, qw.t(), out_dtype=torch.bfloat16, bf16_dot=variant, config=cfg, path="fused"
                         )
                     )
                 except Exception as e:  # a config that does not fit in shared memory
@@ -121,6 +122,16 @@ def bench_mx_mm(quick: bool) -> None:
                 )
                 if m == 8192 and (best_overall is None or ms < best_overall[0]):
                     best_overall = (ms, variant, cfg)
+        # Exact dequantization to bf16 (Triton) + cuBLAS bf16 GEMM.
+        out = triton_mx.mx_mm_triton(qa, qw.t(), out_dtype=torch.bfloat16, path="dequant")
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        ms = bench(
+            lambda qa=qa, qw=qw: triton_mx.mx_mm_triton(qa, qw.t(), out_dtype=torch.bfloat16, path="dequant")
+        )
+        record(f"mx_mm dequant+cuBLAS {m}x{k}x{n}", ms, TFLOPs=round(flops / ms / 1e9, 1),
+               vs_bf16=round(bf16_ms / ms, 3), rel_err_vs_fp32_bf16_out=f"{err:.1e}")  # fmt: skip
+        if m == 8192:
+            dq_ms = ms
         # The FP8 row-wise ceiling for comparison.
         qa8, sa = quantize_rowwise(a)
         qw8, sw = quantize_rowwise(w)
@@ -144,7 +155,8 @@ def bench_mx_mm(quick: bool) -> None:
     if best_overall is not None:
         triton_mx.MX_MM_BF16_DOT = best_overall[1]
         triton_mx.MX_MM_CONFIG = best_overall[2]
-        print(f"mx_mm default for the linear benchmarks: bf16_dot={best_overall[1]} cfg={best_overall[2]}")
+        triton_mx.MX_MM_PATH = "dequant" if dq_ms < best_overall[0] else "fused"
+        print(f"mx_mm for the linear benchmarks: path={triton_mx.MX_MM_PATH}, fused: {best_overall[1:]}")
 
 
 def bench_linear(quick: bool) -> None:

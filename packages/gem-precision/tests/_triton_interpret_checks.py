@@ -111,6 +111,23 @@ def main(big: bool) -> None:
                 # with ~2**-13 precision inside each 32-wide slice (the bf16 variant does not).
                 tol = 1e-5 if (variant or DEVICE == "cpu") else 2e-4
                 check(f"mx_mm {m}x{k}x{n} square={square} bf16_dot={variant}", err < tol, f"err {err:.2e}")
+    from gem_precision.triton_mx import dequantize_triton, mx_mm_triton
+
+    x = torch.randn(70, 96, device=DEVICE) * 1e3
+    for kw in (dict(), dict(axis=0), dict(square=True)):
+        q = to_mx(x, **kw)
+        for view in (q, q.t()):
+            d = dequantize_triton(view, torch.float32)
+            check(
+                f"dequantize_triton {kw} {tuple(view.shape)}", torch.equal(d, view.dequantize(torch.float32))
+            )
+    if DEVICE == "cuda":
+        a, w = torch.randn(256, 512, device=DEVICE), torch.randn(384, 512, device=DEVICE)
+        qa, qw = to_mx(a), to_mx(w, axis=0, square=True)
+        ref = qa.dequantize(torch.float64) @ qw.dequantize(torch.float64).t()
+        out = mx_mm_triton(qa, qw.t(), out_dtype=torch.bfloat16, path="dequant")
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        check("mx_mm dequant path (bf16 out)", err < 4e-3, f"err {err:.2e}")  # bf16 rounding of the output
     q1 = mx_mm(to_mx(torch.randn(16, 64, device=DEVICE)), to_mx(torch.randn(64, 16, device=DEVICE), axis=0))
     check("mx_mm dispatch dtype", q1.dtype == torch.bfloat16)
 

@@ -275,8 +275,48 @@ def _mx_mm_kernel(
              mask=(rm[:, None] < M) & (rn[None, :] < N))  # fmt: skip
 
 
-# Kernel variant and (BM, BN, BK, num_warps, num_stages) used on GPUs, from the H200 measurements in
-# BENCHMARKS.md; MX_MM_CONFIG None picks the default of the variant.
+@triton.jit
+def _dequant_kernel(
+    d_ptr, s_ptr, o_ptr, R, C, stride_dr, stride_dc, stride_sr, stride_sc,
+    DR: tl.constexpr, DC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """out [R, C] (row-major) = data * 2**(scale[r // DR, c // DC] - 127), exact in bf16 or fp32."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    m = (rows[:, None] < R) & (cols[None, :] < C)
+    d = tl.load(d_ptr + rows[:, None] * stride_dr + cols[None, :] * stride_dc, mask=m, other=0.0)
+    s = tl.load(
+        s_ptr + (rows // DR)[:, None] * stride_sr + (cols // DC)[None, :] * stride_sc, mask=m, other=127
+    )
+    out = d.to(tl.float32) * e8m0_to_f32(s.to(tl.int32))
+    tl.store(o_ptr + rows[:, None] * C + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def dequantize_triton(x: MXTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A 2-D MXTensor dequantized (a Hadamard transform not undone) into a row-major ``dtype`` tensor.
+
+    bf16 holds every MX value exactly (3 mantissa bits times a power of two within its exponent range).
+    """
+    r, c = x.shape
+    out = torch.empty((r, c), dtype=dtype, device=x.data.device)
+    if out.numel() == 0:
+        return out
+    dr = x.block_size if (x.square or x.axis == 0) else 1
+    dc = x.block_size if (x.square or x.axis == 1) else 1
+    br, bc = (32, 64) if interpreting() else (32, 256)
+    grid = (triton.cdiv(r, br), triton.cdiv(c, bc))
+    _dequant_kernel[grid](
+        x.data, x.scale, out, r, c, x.data.stride(0), x.data.stride(1), x.scale.stride(0), x.scale.stride(1),
+        DR=dr, DC=dc, BR=br, BC=bc, num_warps=1 if interpreting() else 4,
+    )  # fmt: skip
+    return out
+
+
+# Path of mx_mm on GPUs, from the H200 measurements in BENCHMARKS.md: "dequant" (both operands
+# dequantized exactly to bf16 by a Triton kernel, then a cuBLAS bf16 GEMM with fp32 accumulation; used for
+# bf16 outputs), or the fused Triton kernel. MX_MM_BF16_DOT picks the fused kernel's variant and
+# MX_MM_CONFIG its (BM, BN, BK, num_warps, num_stages) (None: the variant's default).
+MX_MM_PATH = "dequant"
 MX_MM_BF16_DOT = True
 MX_MM_CONFIG: tuple[int, int, int, int, int] | None = None
 
@@ -288,11 +328,14 @@ def mx_mm_triton(
     out_dtype: torch.dtype,
     bf16_dot: bool | None = None,
     config: tuple[int, int, int, int, int] | None = None,
+    path: str | None = None,
 ) -> torch.Tensor:
     """Triton ``mx_mm`` (operands validated by :func:`gem_precision.mx_mm`).
 
     Args:
-        bf16_dot: kernel variant (default :data:`MX_MM_BF16_DOT`).
+        path: ``"dequant"`` or ``"fused"`` (default :data:`MX_MM_PATH`; the dequant path serves bf16
+            outputs only).
+        bf16_dot: fused-kernel variant (default :data:`MX_MM_BF16_DOT`).
         config: (BM, BN, BK, num_warps, num_stages); default chosen by shape.
     """
     m, k = a.shape
@@ -303,6 +346,12 @@ def mx_mm_triton(
     if k == 0:
         return out.zero_()
     block = a.block_size
+    if path is None:
+        path = MX_MM_PATH
+    if path == "dequant" and out_dtype == torch.bfloat16 and not interpreting():
+        # Exact too: bf16 holds the MX values exactly and cuBLAS accumulates in fp32. A Hadamard
+        # transform on both operands cancels in the product, as in the fused kernel.
+        return torch.mm(dequantize_triton(a), dequantize_triton(b))
     bf16_dot = MX_MM_BF16_DOT if bf16_dot is None else bf16_dot
     if config is None:
         if interpreting():
