@@ -20,6 +20,7 @@ from gem_kernels import (  # noqa: E402
     Rotary,
     apply_rotary,
     block_attention,
+    jagged_mean,
     jagged_to_padded,
     padded_to_jagged,
     use_backend,
@@ -36,7 +37,8 @@ def _count_launches() -> None:
     import gem_kernels.rotary_triton as rt
 
     for module, name in ((bt, "block_attention_fwd"), (bt, "block_attention_bwd"), (rt, "rotary_triton"),
-                         (jt, "jagged_to_padded_triton"), (jt, "padded_to_jagged_triton")):  # fmt: skip
+                         (jt, "jagged_to_padded_triton"), (jt, "padded_to_jagged_triton"),
+                         (jt, "jagged_mean_triton")):  # fmt: skip
         fn = getattr(module, name)
 
         def counted(*args, _fn=fn, _name=name, **kwargs):
@@ -171,6 +173,13 @@ def jagged_cases(results):
 
                 gj = torch.randn(total, *feat)
                 results.append(_compare(f"padded_to_jagged F={feat} N={max_len}", dtype, fn2, [padded], gj))
+        for dtype in (torch.float32, torch.float16):
+
+            def fn3(x):
+                return jagged_mean(x, offsets)
+
+            gm = torch.randn(len(lengths), *feat)
+            results.append(_compare(f"jagged_mean F={feat}", dtype, fn3, [x], gm))
 
 
 def main() -> None:

@@ -8,8 +8,9 @@ call:
 * ``jagged_to_padded`` / ``padded_to_jagged``: fbgemm's ``jagged_to_padded_dense`` /
   ``dense_to_jagged`` when ``torch.ops.fbgemm`` has them (i.e. someone imported ``fbgemm_gpu``; this
   package never imports it) and the backend is ``auto``; else the Triton kernels on CUDA; else PyTorch.
-* the others: PyTorch index arithmetic on every device (a gather or scatter per token row, which
-  already streams at memory speed).
+* ``jagged_mean``: a Triton segment-sum kernel on CUDA (the PyTorch ``index_add_`` path pays for
+  atomics), PyTorch elsewhere.
+* the others: PyTorch index arithmetic on every device (a gather or scatter per token row).
 
 No op synchronises with the GPU on the non-debug path, except where a host int is left out
 (``padded_to_jagged(total=None)``, ``jagged_split(a_total=None)`` read one offset back).
@@ -170,6 +171,10 @@ _jagged_split_op.register_autograd(_split_backward, setup_context=_split_setup)
 
 @torch.library.custom_op("gem_kernels::jagged_mean", mutates_args=())
 def _jagged_mean_op(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if values.dtype != torch.float64 and use_triton(values):
+        from gem_kernels.jagged_triton import jagged_mean_triton
+
+        return jagged_mean_triton(values, offsets)
     return ref.jagged_mean(values, offsets)
 
 

@@ -90,3 +90,33 @@ def padded_to_jagged_triton(padded, offsets, total: int) -> torch.Tensor:
         BLOCK_N=BLOCK_N, BLOCK_F=_block_f(feat), LOG_B=max(1, math.ceil(math.log2(max(batch, 1)))),
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _jagged_mean_kernel(V, M, offsets_ptr, F, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+    # Program (sequence, feature tile): sums the sequence's rows in fp32, BLOCK_N rows at a time.
+    b = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    col_ok = cols < F
+    start = tl.load(offsets_ptr + b).to(tl.int64)
+    n = tl.load(offsets_ptr + b + 1).to(tl.int64) - start
+    acc = tl.zeros([BLOCK_N, BLOCK_F], dtype=tl.float32)
+    for r0 in range(0, n, BLOCK_N):
+        rows = r0 + tl.arange(0, BLOCK_N)
+        ptrs = V + (start + rows)[:, None] * F + cols[None, :]
+        acc += tl.load(ptrs, mask=(rows < n)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    mean = tl.sum(acc, 0) / tl.maximum(n, 1).to(tl.float32)
+    tl.store(M + b.to(tl.int64) * F + cols, mean.to(M.dtype.element_ty), mask=col_ok)
+
+
+def jagged_mean_triton(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """values ``[total, F]`` contiguous -> ``[B, F]`` means (0 for an empty sequence)."""
+    batch = offsets.numel() - 1
+    feat = values.shape[1]
+    out = torch.empty(batch, feat, dtype=values.dtype, device=values.device)
+    if out.numel() == 0:
+        return out
+    block_f = min(_block_f(feat), 128)
+    grid = (batch, triton.cdiv(feat, block_f))
+    _jagged_mean_kernel[grid](values, out, offsets, feat, BLOCK_N=32, BLOCK_F=block_f)
+    return out
