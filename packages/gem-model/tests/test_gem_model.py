@@ -266,3 +266,18 @@ def test_select_subbatch():
     cat, sub_cat = batch.sparse["ad_cat"], sub.sparse["ad_cat"]
     expected = cat.values()[cat.offsets()[4] : cat.offsets()[5]]
     assert torch.equal(sub_cat.values()[: sub_cat.lengths()[0]], expected)
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_eager():
+    """Each layer compiles with torch.compile (the gem_kernels ops have fake implementations)."""
+    config = gm.get_config("tiny")
+    model = _model(config)
+    batch = gm.random_batch(config.features, 8, seed=12)
+    eager = model(batch)
+    for name, layer in model.layers.items():
+        model.layers[name] = torch.compile(layer)
+    compiled = model(batch)
+    _loss(model, batch).backward()
+    for task in eager:
+        torch.testing.assert_close(compiled[task], eager[task], atol=1e-5, rtol=1e-5)
