@@ -10,9 +10,11 @@ batch, rotary as separate PyTorch ops followed by block attention (unfused), our
 with a 64-token window where it exists, and the HBM copy rate.
 
 Bytes counted (the fewest a kernel must move): forward reads q, k, v and writes o (4 x total*H*D*2 B);
-backward reads q, k, v, o, dO and writes dq, dk, dv (8x); fwd+bwd 12x. Rotary positions (4 B/token) are
-negligible. ``--small`` runs tiny shapes (with ``TRITON_INTERPRET=1`` on a CPU: a smoke test of this
-script, not a benchmark).
+backward reads q, k, v, dO and writes dq, dk, dv (7x: Di = rowsum(P dP) needs no O); fwd+bwd 11x, for
+every row, baselines included. Rotary positions (4 B/token) are negligible.
+
+``--small`` runs tiny shapes (with ``TRITON_INTERPRET=1`` on a CPU: a smoke test of this script, not a
+benchmark); ``--quick`` stops after our kernels and the unfused rotary rows.
 """
 
 from __future__ import annotations
@@ -196,23 +198,23 @@ def main() -> None:
             continue
         cfg = f"[warps fwd={fw} bwd={bw} heads/program={group} bwd maxnreg={maxnreg}]"
         record(f"ours fwd {cfg}", t_f, 4 * elt, copy_tbs=copy_tbs)
-        record(f"ours bwd {cfg}", t_b, 8 * elt, copy_tbs=copy_tbs)
+        record(f"ours bwd {cfg}", t_b, 7 * elt, copy_tbs=copy_tbs)
         if best is None or t_f + t_b < best[0]:
             best = (t_f + t_b, fw, bw, group, maxnreg)
     _, bt.FWD_WARPS, bt.BWD_WARPS, bt.HEAD_GROUP, bt.BWD_MAXNREG = best
     print(f"chosen: {best[1:]} (fwd warps, bwd warps, heads/program, bwd maxnreg)")
 
     t_ours = timeit(fwd_bwd(ours, (q, k, v), do), iters)
-    record("ours block attention fwd+bwd", t_ours, 12 * elt, copy_tbs=copy_tbs)
+    record("ours block attention fwd+bwd", t_ours, 11 * elt, copy_tbs=copy_tbs)
 
     pos = torch.log1p(torch.rand(total, device=device) * 1e4) * 30
     for name, rot in (("default positions", Rotary()), ("float positions", Rotary(pos, 500.0))):
         t = timeit(fwd_bwd(lambda q, k, v, rot=rot: ours(q, k, v, rot), (q, k, v), do), iters)
-        record(f"ours + fused rotary ({name}) fwd+bwd", t, 12 * elt, copy_tbs=copy_tbs)
+        record(f"ours + fused rotary ({name}) fwd+bwd", t, 11 * elt, copy_tbs=copy_tbs)
         t = timeit(lambda rot=rot: ours(q, k, v, rot), iters)
         record(f"ours + fused rotary ({name}) fwd", t, 4 * elt, copy_tbs=copy_tbs)
         t = timeit(fwd_bwd(lambda q, k, v, rot=rot: ours(q, k, v, rot), (q, k, v), do), iters)
-        record(f"ours + fused rotary ({name}) fwd+bwd (repeat)", t, 12 * elt, copy_tbs=copy_tbs)
+        record(f"ours + fused rotary ({name}) fwd+bwd (repeat)", t, 11 * elt, copy_tbs=copy_tbs)
 
     @guarded("unfused rotary")
     def unfused():
@@ -227,9 +229,9 @@ def main() -> None:
             return ours(qr, kr, v)
 
         t = timeit(fwd_bwd(torch_rotary, (q, k, v), do), iters)
-        record("unfused: PyTorch rotary ops + ours fwd+bwd", t, 12 * elt, copy_tbs=copy_tbs)
+        record("unfused: PyTorch rotary ops + ours fwd+bwd", t, 11 * elt, copy_tbs=copy_tbs)
         t = timeit(fwd_bwd(triton_rotary, (q, k, v), do), iters)
-        record("unfused: apply_rotary (Triton) + ours fwd+bwd", t, 12 * elt, copy_tbs=copy_tbs)
+        record("unfused: apply_rotary (Triton) + ours fwd+bwd", t, 11 * elt, copy_tbs=copy_tbs)
 
     unfused()
     if ARGS.quick:
@@ -268,7 +270,7 @@ def main() -> None:
         t = timeit(lambda: f(qp, kp, vp), iters)
         record("FlexAttention block-diagonal fwd", t, 4 * elt, note=note, copy_tbs=copy_tbs)
         t = timeit(fwd_bwd(f, (qp, kp, vp), dop), iters)
-        record("FlexAttention block-diagonal fwd+bwd", t, 12 * elt, copy_tbs=copy_tbs)
+        record("FlexAttention block-diagonal fwd+bwd", t, 11 * elt, copy_tbs=copy_tbs)
 
     if device == "cuda":
         flex()
@@ -286,7 +288,7 @@ def main() -> None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
         t = timeit(fwd_bwd(f, (qp, kp, vp), dop), max(2, iters // 3), warmup=1)
-        record("padded SDPA, dense block-diagonal mask fwd+bwd", t, 12 * elt, copy_tbs=copy_tbs)
+        record("padded SDPA, dense block-diagonal mask fwd+bwd", t, 11 * elt, copy_tbs=copy_tbs)
 
     sdpa()
 
@@ -309,7 +311,7 @@ def main() -> None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
         t = timeit(fwd_bwd(f, (qb, kb, vb), dob), iters)
-        record("SDPA over 64-token blocks of the padded batch fwd+bwd", t, 12 * elt, copy_tbs=copy_tbs)
+        record("SDPA over 64-token blocks of the padded batch fwd+bwd", t, 11 * elt, copy_tbs=copy_tbs)
 
     blocked_sdpa()
 
@@ -326,7 +328,7 @@ def main() -> None:
         record(
             "jagged_flash_attention window=(63, 63) fwd+bwd",
             t,
-            12 * elt,
+            11 * elt,
             copy_tbs=copy_tbs,
             note="sliding window, not blocks: ~2x the pairs",
         )
