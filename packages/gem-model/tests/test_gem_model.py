@@ -281,3 +281,11 @@ def test_compiled_layers_match_eager():
     _loss(model, batch).backward()
     for task in eager:
         torch.testing.assert_close(compiled[task], eager[task], atol=1e-5, rtol=1e-5)
+
+
+def test_cli_prints_summaries(capsys):
+    from gem_model.__main__ import main
+
+    main(["tiny"])
+    out = capsys.readouterr().out
+    assert "== tiny" in out and "dense total" in out
