@@ -32,8 +32,8 @@ SELF_MASKS = {
 SELF_LENGTHS = [37, 0, 1, 70, 16, 64]
 
 
-def _offsets(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+def _offsets(lengths, dtype=torch.int32):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
 
 
 def _call(act, q, k, v, qo, ko, max_q, max_k, causal, window):
@@ -52,7 +52,9 @@ def _rel(a, b):
     return (a.double() - b).norm().item() / (n if n > 0 else 1.0)
 
 
-def run_case(name, act, lq, lk, causal, window, dtype, d=16, dv=16, blocks=(32, 32), seed=0):
+def run_case(
+    name, act, lq, lk, causal, window, dtype, d=16, dv=16, blocks=(32, 32), seed=0, offsets_dtype=torch.int32
+):
     g = torch.Generator().manual_seed(seed)
     cross = lk is not None
     lk_ = lk if cross else lq
@@ -62,8 +64,8 @@ def run_case(name, act, lq, lk, causal, window, dtype, d=16, dv=16, blocks=(32, 
     v64 = torch.randn(sum(lk_), h, dv, generator=g, dtype=torch.float64)
     # Quantize the inputs first, so that every error below is computation error alone.
     q64, k64, v64 = (t.to(dtype).double() for t in (q64, k64, v64))
-    qo = _offsets(lq)
-    ko = _offsets(lk_) if cross else None
+    qo = _offsets(lq, offsets_dtype)
+    ko = _offsets(lk_, offsets_dtype) if cross else None
     mq, mk = max(lq), (max(lk_) if cross else None)
     dout = torch.randn(sum(lq), h, dv, generator=g, dtype=torch.float64).to(dtype)
 
@@ -162,12 +164,24 @@ def block_cases():
     ]
 
 
+def edge_cases():
+    """Band and offsets edge cases: diagonal-only and very wide windows, int64 offsets."""
+    return [
+        ("window0x0-silu", "silu", SELF_LENGTHS, None, False, (0, 0), torch.int32),
+        ("window1000x2-softmax", "softmax", SELF_LENGTHS, None, False, (1000, 2), torch.int32),
+        ("int64-offsets-softmax-causal", "softmax", SELF_LENGTHS, None, True, None, torch.int64),
+        ("int64-offsets-relu-cross", "relu", [40, 3, 0, 33], [5, 0, 9, 1], False, None, torch.int64),
+    ]
+
+
 def main() -> None:
     results = []
     for name, act, lq, lk, causal, window, dtype in cases():
         results.append(run_case(name, act, lq, lk, causal, window, dtype))
     for name, act, lq, lk, causal, window, dtype, d, dv, blocks in block_cases():
         results.append(run_case(name, act, lq, lk, causal, window, dtype, d=d, dv=dv, blocks=blocks))
+    for name, act, lq, lk, causal, window, odt in edge_cases():
+        results.append(run_case(name, act, lq, lk, causal, window, torch.float32, offsets_dtype=odt))
     print("JSON:" + json.dumps(results))
 
 
