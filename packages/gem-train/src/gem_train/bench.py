@@ -39,7 +39,7 @@ def run_bench(
     t0 = time.perf_counter()
     host = [source.get("train", i, cfg.data.batch_size) for i in range(distinct_batches)]
     data_rate = distinct_batches / (time.perf_counter() - t0)
-    built = build_model(cfg.model, source.spec, device, cfg.run.seed)
+    built = build_model(cfg.model, source.spec, device, cfg.run.seed, cfg.precision)
     model = built.model
     opts = build_optimizers(list(model.dense_parameters()), list(model.sparse_parameters()), cfg.optim)
     dense = list(model.dense_parameters())

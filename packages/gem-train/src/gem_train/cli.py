@@ -110,7 +110,7 @@ def _eval(args: argparse.Namespace) -> int:
     cfg, ckpt = _checkpoint_config(Path(args.checkpoint), args.overrides)
     d = init_distributed(cfg.run.device)
     source = build_source(cfg)
-    model = build_model(cfg.model, source.spec, d.device, cfg.run.seed).model
+    model = build_model(cfg.model, source.spec, d.device, cfg.run.seed, cfg.precision).model
     state = load_checkpoint(ckpt, model, None, restore_rng=False)
     use_bf16 = cfg.train.autocast == "bf16" or (cfg.train.autocast == "auto" and d.device.type == "cuda")
     import torch

@@ -29,6 +29,7 @@ __all__ = [
     "ModelSection",
     "MovieLensConfig",
     "OptimConfig",
+    "PrecisionConfig",
     "RunConfig",
     "SyntheticConfig",
     "TrainConfig",
@@ -164,6 +165,19 @@ class TrainerConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    """A gem-precision recipe for the model's linear layers (``gem_precision.convert``), on top of autocast.
+
+    ``recipe = "none"`` keeps every layer as it is; otherwise one of the ``gem_precision.Recipe``
+    constructors: "mxfp8" (MXFP8 forward and dgrad, bf16 wgrad), "mxfp8_all", "fp8_rowwise", "bf16".
+    """
+
+    recipe: Literal["none", "mxfp8", "mxfp8_all", "fp8_rowwise", "bf16"] = "none"
+    min_features: int = 128  # layers narrower than this stay unconverted
+    keep_last_blocks: int = 0  # keep the last N layers unconverted (the most sensitive)
+
+
+@dataclass
 class CheckpointConfig:
     """torch.distributed.checkpoint snapshots of the whole training state."""
 
@@ -181,6 +195,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainerConfig = field(default_factory=TrainerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> None:
@@ -214,6 +229,8 @@ class TrainConfig:
             "optim.weight_decay": self.optim.weight_decay,
             "optim.grad_clip": self.optim.grad_clip,
             "checkpoint.every": self.checkpoint.every,
+            "precision.min_features": self.precision.min_features,
+            "precision.keep_last_blocks": self.precision.keep_last_blocks,
             "data.synthetic.n_dense": self.data.synthetic.n_dense,
             "data.synthetic.train_examples_per_epoch": self.data.synthetic.train_examples_per_epoch,
             "data.movielens.max_users": self.data.movielens.max_users,

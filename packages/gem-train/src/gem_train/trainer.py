@@ -322,7 +322,7 @@ class Trainer:
         self.source = build_source(cfg)
         self.spec = self.source.spec
         self.tasks = tuple(self.spec.tasks)
-        self.built: BuiltModel = build_model(cfg.model, self.spec, self.device, cfg.run.seed)
+        self.built: BuiltModel = build_model(cfg.model, self.spec, self.device, cfg.run.seed, cfg.precision)
         self.model = self.built.model
         dense_params = list(self.model.dense_parameters())
         sparse_params = list(self.model.sparse_parameters())

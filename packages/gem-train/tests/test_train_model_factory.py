@@ -1,0 +1,66 @@
+"""Model building: gem-model config overrides checked by key, the baseline, a gem-precision recipe."""
+
+import pytest
+import torch
+
+import gem_precision
+from gem_train.config import ConfigError, load_config
+from gem_train.data.synthetic import SyntheticAds
+from gem_train.model_factory import build_gem_config, build_model
+from gem_train.trainer import multitask_loss
+
+SMALL = ["data.synthetic.max_len=8", "data.synthetic.num_users=200", "data.synthetic.num_items=100"]
+
+
+def _setup(*extra):
+    cfg = load_config("tiny-cpu", [*SMALL, *extra])
+    return cfg, SyntheticAds(cfg.data.synthetic, 0)
+
+
+def test_overrides_reach_the_gem_config_and_features_come_from_the_data():
+    cfg, ds = _setup("model.overrides.d_model=48", 'model.overrides.attention="full"')
+    gc = build_gem_config(cfg.model, ds.spec)
+    assert gc.d_model == 48 and gc.attention == "full" and gc.features == ds.spec
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.overrides.d_modle=48", "unknown config key 'model.overrides.d_modle'"),
+        ("model.overrides.d_model=4.5", "model.overrides.d_model: expected int"),
+        ('model.overrides.attention="sparse"', "model.overrides.attention"),
+        ("model.name=huge", "model.name: unknown GEM config 'huge'"),
+    ],
+)
+def test_override_errors_name_the_key(override, message):
+    cfg, ds = _setup(override)
+    with pytest.raises(ConfigError, match=message):
+        build_gem_config(cfg.model, ds.spec)
+
+
+def test_same_seed_same_weights_and_baseline_runs():
+    cfg, ds = _setup()
+    a = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=3).model
+    b = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=3).model
+    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(p, q), n
+    cfg, ds = _setup("model.arch=mlp")
+    mlp = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0)
+    batch = ds.make_batch("train", 0, 16).batch
+    loss = multitask_loss(mlp.model(batch), batch, ds.spec.tasks)
+    loss.backward()
+    assert mlp.flops is None and torch.isfinite(loss)
+    assert all(p.grad is not None for p in mlp.model.parameters())
+
+
+def test_precision_recipe_converts_linears_and_keeps_parameter_names():
+    cfg, ds = _setup("precision.recipe=mxfp8", "precision.min_features=16")
+    plain = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0).model
+    conv = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0, precision=cfg.precision).model
+    n = sum(isinstance(m, gem_precision.MXFP8Linear) for m in conv.modules())
+    assert n > 0
+    assert list(plain.state_dict()) == list(conv.state_dict())  # checkpoints stay compatible
+    batch = ds.make_batch("train", 0, 8).batch
+    loss = multitask_loss(conv(batch), batch, ds.spec.tasks)
+    loss.backward()
+    assert torch.isfinite(loss)
