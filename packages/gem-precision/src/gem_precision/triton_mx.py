@@ -359,7 +359,7 @@ def mx_mm_triton(
         elif MX_MM_CONFIG is not None:
             config = MX_MM_CONFIG
         else:
-            config = (128, 128, 64 if bf16_dot else 128, 8, 3)
+            config = (128, 128, 64, 8, 4) if bf16_dot else (128, 128, 64, 4, 4)  # H200 best
     bm, bn, bk, warps, stages = config
     bk = max(bk, block) // block * block
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
