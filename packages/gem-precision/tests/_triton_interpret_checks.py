@@ -142,6 +142,19 @@ def main(big: bool) -> None:
             # midpoint up to the division's last bit may differ by one step (2**-4 relative).
             check(f"rowwise {r}x{c} transpose={transpose}",
                   torch.allclose(s, rs, rtol=1e-6) and ds < 2**-4, f"max diff {ds:.2e}")  # fmt: skip
+    # Empty and single-element inputs.
+    for shape, kw in (((4, 0), {}), ((0, 64), {}), ((0, 64), dict(axis=0)), ((0, 0), dict(square=True)),
+                      ((1, 1), {}), ((1, 1), dict(square=True))):  # fmt: skip
+        x = torch.randn(shape, device=DEVICE)
+        check(f"to_mx empty/single {shape} {kw}", same_mx(to_mx(x, backend="triton", **kw),
+                                                         to_mx(x, backend="reference", **kw)))  # fmt: skip
+    qa, qb = to_mx(torch.randn(3, 0, device=DEVICE)), to_mx(torch.randn(0, 4, device=DEVICE), axis=0)
+    out = mx_mm_triton(qa, qb, out_dtype=torch.float32)
+    check("mx_mm K=0", torch.equal(out, torch.zeros(3, 4, device=DEVICE)))
+    qa, qb = to_mx(torch.randn(0, 32, device=DEVICE)), to_mx(torch.randn(32, 4, device=DEVICE), axis=0)
+    check("mx_mm M=0", mx_mm_triton(qa, qb, out_dtype=torch.float32).shape == (0, 4))
+    d, s = quantize_rowwise_triton(torch.randn(0, 16, device=DEVICE), E4M3, transpose=True)
+    check("rowwise empty", d.shape == (16, 0) and s.shape == (16, 1))
     print("FAILED:", FAILED if FAILED else "none")
     sys.exit(1 if FAILED else 0)
 

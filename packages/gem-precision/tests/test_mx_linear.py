@@ -66,6 +66,19 @@ def test_linear_gradients_vs_fp32(name, shape):
     assert rel(lin.bias.grad, ref.bias.grad) < 1e-5
 
 
+@pytest.mark.parametrize("m", [0, 1])
+def test_linear_empty_and_single_row(m):
+    for recipe in (Recipe.mxfp8_all(), Recipe.fp8_rowwise()):
+        lin, ref = _pair(recipe, 64, 32, seed=m)
+        ref.load_state_dict(lin.state_dict())
+        x = torch.randn(m, 64, requires_grad=True)
+        y = lin(x)
+        y.sum().backward()
+        ref(x.detach()).sum().backward()
+        assert y.shape == (m, 32) and x.grad.shape == (m, 64)
+        assert rel(lin.bias.grad, ref.bias.grad) < 1e-6 if m else (lin.weight.grad == 0).all()
+
+
 def test_forward_equals_product_of_dequantized_operands():
     """The MXFP8 forward is exactly dequant(x) @ dequant(w).T (+ b), up to fp32 accumulation order."""
     lin, _ = _pair(Recipe(), 96, 64, seed=0)

@@ -12,6 +12,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gem_precision import MXTensor, mx_mm, random_hadamard, to_mx
 
@@ -309,3 +311,37 @@ def test_bad_input_errors():
     with pytest.raises(TypeError, match="MXTensor"):
         mx_mm(a, torch.ones(64, 8))
     assert isinstance(a, MXTensor)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(0, 5),
+    cols=st.integers(0, 70),
+    block=st.sampled_from([16, 32]),
+    mode=st.sampled_from(["floor", "rceil"]),
+    e5m2=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_to_mx_random_shapes_vs_oracle(rows, cols, block, mode, e5m2, seed):
+    """Ragged shapes, empty ones included, against the oracle; dequantize and mx_mm keep the shapes."""
+    dt = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * 10.0 ** torch.randint(-20, 20, (rows, 1), generator=g)
+    mx = to_mx(x, elem_dtype=dt, scale_mode=mode, block_size=block)
+    codes, scales = oracle_to_mx(x, dt, mode, block)
+    np.testing.assert_array_equal(mx.scale.numpy().reshape(scales.shape), scales)
+    np.testing.assert_array_equal(mx.data.view(torch.uint8).numpy(), codes)
+    assert mx.dequantize().shape == x.shape
+    out = mx_mm(mx, to_mx(torch.ones(cols, 3), axis=0, block_size=block), out_dtype=torch.float32)
+    assert out.shape == (rows, 3)
+    assert torch.allclose(out, mx.dequantize(torch.float32).sum(1, keepdim=True).expand(rows, 3), rtol=1e-5)
+
+
+def test_empty_and_single_element_inputs():
+    assert to_mx(torch.randn(5)).scale.shape == (1,)
+    assert to_mx(torch.randn(0, 64), axis=0).scale.shape == (0, 64)
+    assert to_mx(torch.randn(0, 0), square=True).scale.shape == (0, 0)
+    k0 = mx_mm(to_mx(torch.randn(3, 0)), to_mx(torch.randn(0, 4), axis=0), out_dtype=torch.float32)
+    assert torch.equal(k0, torch.zeros(3, 4))
+    one = to_mx(torch.tensor([[3.0]]))
+    assert one.dequantize().item() == 3.0 and one.scale.item() == 127 - 7  # rceil: 3 <= 448 * 2**-7

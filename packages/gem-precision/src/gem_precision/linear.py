@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,15 +13,18 @@ from gem_precision.recipe import Recipe
 from gem_precision.rowwise import fp8_rowwise_mm
 
 
+@functools.lru_cache(maxsize=16)
+def _hadamard(block_size: int, seed: int, device: torch.device) -> torch.Tensor:
+    return random_hadamard(block_size, seed=seed, device=device)
+
+
 class _Quantizer:
     """Quantizes the operands of one layer's GEMMs per the recipe (the Hadamard matrix is built once)."""
 
     def __init__(self, recipe: Recipe, device: torch.device) -> None:
         self.recipe = recipe
         self.hadamard = (
-            random_hadamard(recipe.block_size, seed=recipe.hadamard_seed, device=device)
-            if recipe.hadamard
-            else None
+            _hadamard(recipe.block_size, recipe.hadamard_seed, device) if recipe.hadamard else None
         )
 
     def mx(self, t: torch.Tensor, axis: int, *, grad: bool = False) -> MXTensor:

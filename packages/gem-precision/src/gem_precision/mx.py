@@ -64,6 +64,11 @@ class MXTensor:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The values ``data * scale`` (Hadamard undone) in ``dtype`` (default: ``orig_dtype``)."""
+        dtype = dtype or self.orig_dtype
+        if self.data.is_cuda and self.data.dim() == 2 and self.hadamard is None and dtype.is_floating_point:
+            from gem_precision import triton_mx
+
+            return triton_mx.dequantize_triton(self, dtype)  # same bits: fp32 product, then the cast
         out = reference.dequantize_reference(
             self.data,
             self.scale,
@@ -72,7 +77,7 @@ class MXTensor:
             square=self.square,
             hadamard=self.hadamard,
         )
-        return out.to(dtype or self.orig_dtype)
+        return out.to(dtype)
 
     def t(self) -> MXTensor:
         """The transpose of a 2-D MXTensor (a view: the data stays blocked along the same elements)."""

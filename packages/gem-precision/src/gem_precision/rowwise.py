@@ -21,7 +21,10 @@ def quantize_rowwise_reference(
     """
     fmt = elem_format(elem_dtype)
     xf = x.to(torch.float32)
-    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=_AMAX_EPS)
+    if xf.shape[1] == 0:
+        amax = xf.new_full((xf.shape[0], 1), _AMAX_EPS)
+    else:
+        amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=_AMAX_EPS)
     scale = amax / fmt.max_value
     data = (xf / scale).clamp(-fmt.max_value, fmt.max_value).to(elem_dtype)
     return data, scale
@@ -101,6 +104,10 @@ def fp8_rowwise_mm(
     Returns:
         ``[M, N]`` of ``out_dtype``.
     """
+    m, k = (a.shape[1], a.shape[0]) if a_t else tuple(a.shape)
+    n = b.shape[1] if b_t else b.shape[0]
+    if k == 0 or m == 0 or n == 0:  # an empty sum (e.g. wgrad of an empty batch) or an empty result
+        return torch.zeros((m, n), dtype=out_dtype, device=a.device)
     qa, sa = quantize_rowwise(a, elem_dtype, transpose=a_t)
     qb, sb = quantize_rowwise(b, b_elem_dtype or elem_dtype, transpose=b_t)
     return scaled_mm_rowwise(qa, sa, qb, sb, out_dtype=out_dtype, use_fast_accum=use_fast_accum)

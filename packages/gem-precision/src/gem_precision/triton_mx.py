@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from gem_precision import triton_fp8
+from gem_precision import reference, triton_fp8
 from gem_precision.formats import ElemFormat
 from gem_precision.mx import MXTensor
 from gem_precision.triton_fp8 import e8m0_to_f32, fp8_bits, interpreting
@@ -189,6 +191,16 @@ def to_mx_triton(
         if nd == 2:
             return _to_mx_2d(x, _SQUARE, block_size, fmt, scale_mode, seed, None)
         lead = x.shape[:-2]
+        if math.prod(lead) == 0:
+            return reference.to_mx_reference(
+                x,
+                axis=axis,
+                block_size=block_size,
+                fmt=fmt,
+                scale_mode=scale_mode,
+                rounding="nearest",
+                square=True,
+            )  # nothing to compute: the reference gives the empty shapes
         flat = x.reshape(-1, *x.shape[-2:])
         outs = [_to_mx_2d(t, _SQUARE, block_size, fmt, scale_mode, seed, None) for t in flat]
         data = torch.stack([o[0].view(torch.uint8) for o in outs]).reshape(x.shape).view(fmt.dtype)
@@ -198,7 +210,7 @@ def to_mx_triton(
         return _to_mx_2d(x, _ALONG_ROWS, block_size, fmt, scale_mode, seed, hadamard)
     # Everything else is blocked along the last dim of a (possibly moved) 2-D view.
     xt = x.movedim(axis, -1)
-    x2 = xt.reshape(-1, xt.shape[-1])
+    x2 = xt.reshape(math.prod(xt.shape[:-1]), xt.shape[-1])
     data, scale = _to_mx_2d(x2, _ALONG_COLS, block_size, fmt, scale_mode, seed, hadamard)
     data = data.view(torch.uint8).reshape(xt.shape).movedim(-1, axis).contiguous().view(fmt.dtype)
     scale = scale.reshape(*xt.shape[:-1], scale.shape[-1]).movedim(-1, axis).contiguous()
