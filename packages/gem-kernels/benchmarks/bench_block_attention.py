@@ -141,11 +141,14 @@ def correctness(q, k, v, do, offsets, total):
 
 
 def fwd_bwd(fn, inputs, do):
+    """One forward and backward through autograd. ``autograd.grad`` returns the gradients instead of
+    accumulating them into ``.grad`` (which would add three read-modify-write passes per step; the
+    2026-12-02 runs still used ``backward()`` and include them, see BENCHMARKS.md)."""
     leaves = [t.detach().requires_grad_(True) for t in inputs]
 
     def step():
         out = fn(*leaves)
-        torch.autograd.backward(out, do)
+        torch.autograd.grad(out, leaves, do)
 
     return step
 
