@@ -118,7 +118,10 @@ class _MXLinearFn(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
         # Backward reuses the FP8 x along M (wgrad) and, with square tiles, the tiles of w (dgrad).
-        keep = {"w", "x"} if recipe.square_blocks else {("x", 0)}
+        if recipe.square_blocks:
+            keep = {"w", "x"} if recipe.wgrad == "mxfp8" else {"w"}
+        else:
+            keep = {("x", 0)}
         ctx.mx_cache = {k: v for k, v in cache.items() if k in keep}
         ctx.save_for_backward(saved_x, weight)
         return y.reshape(*x.shape[:-1], weight.shape[0])
