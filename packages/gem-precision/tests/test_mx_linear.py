@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -45,7 +46,8 @@ def _pair(recipe: Recipe, k: int, n: int, seed: int) -> tuple[MXFP8Linear, nn.Li
 def test_linear_gradients_vs_fp32(name, shape):
     recipe = RECIPES[name]
     b, m, k, n = shape
-    lin, ref = _pair(recipe, k, n, seed=hash(name) % 1000)
+    # crc32, not hash(): str hashes change with PYTHONHASHSEED, so a hash seed is a different test per run.
+    lin, ref = _pair(recipe, k, n, seed=zlib.crc32(name.encode()) % 1000)
     ref.load_state_dict(lin.state_dict())
     x = torch.randn(b, m, k)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -58,8 +60,12 @@ def test_linear_gradients_vs_fp32(name, shape):
     # 0.037 (measured 0.035-0.046 with stochastic rounding). Bound: 0.06 for a quantized GEMM (SQNR
     # > 24 dB, torchao's MXFP8Linear floors are 25-27 dB), 1e-5 for an unquantized one (fp32 order).
     # Stochastic rounding of dy has up to twice the error variance of round-to-nearest: 0.06 * 1.41.
-    tol = {"mxfp8": 0.06, "fp8_rowwise": 0.06, "bf16": 1e-5}
-    gtol = {**tol, "mxfp8": 0.085 if recipe.stochastic_rounding else 0.06}
+    # "floor" scales map a block's amax into [256, 512) and saturate at 448, clipping the largest elements:
+    # over 60 seeds the forward error of the (1, 64, 64, 48) case averaged 0.057 (max 0.060, sd ~0.0015)
+    # against 0.035 with "rceil", so floor recipes get a bound of 0.075 (> 10 sd above the mean).
+    floor = recipe.scale_mode == "floor"
+    tol = {"mxfp8": 0.075 if floor else 0.06, "fp8_rowwise": 0.06, "bf16": 1e-5}
+    gtol = {**tol, "mxfp8": 0.085 if recipe.stochastic_rounding else tol["mxfp8"]}
     assert rel(y, yr) < tol[recipe.forward]
     assert rel(xa.grad, xb.grad) < gtol[recipe.dgrad]
     assert rel(lin.weight.grad, ref.weight.grad) < gtol[recipe.wgrad]
