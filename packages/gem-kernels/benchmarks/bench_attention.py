@@ -369,9 +369,11 @@ def run_ours(c: dict, copy_tbs: float, check_seqs: int) -> dict:
         c["window"],
     )
     t0 = time.time()
-    ours.fwd_bwd()  # compile + autotune
+    before = dict(ta.variant_choice)
+    ours.fwd_bwd()  # compile + autotune (+ the choice between tiled and one-tile kernels)
     sync()
     row["tune_s"] = time.time() - t0
+    row["variants"] = {k[0]: v for k, v in ta.variant_choice.items() if k not in before}
     if DEV == "cuda":
         row["configs"] = {
             n: str(getattr(t, "best_config", None))

@@ -53,7 +53,19 @@ def _rel(a, b):
 
 
 def run_case(
-    name, act, lq, lk, causal, window, dtype, d=16, dv=16, blocks=(32, 32), seed=0, offsets_dtype=torch.int32
+    name,
+    act,
+    lq,
+    lk,
+    causal,
+    window,
+    dtype,
+    d=16,
+    dv=16,
+    blocks=(32, 32),
+    seed=0,
+    offsets_dtype=torch.int32,
+    variant="onetile",
 ):
     g = torch.Generator().manual_seed(seed)
     cross = lk is not None
@@ -71,7 +83,7 @@ def run_case(
 
     def grads(q, k, v, backend, blocks_=None):
         q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-        with use_backend(backend):
+        with use_backend(backend), triton_attention.force_variant(variant):
             if blocks_ is not None:
                 with triton_attention.force_blocks(*blocks_):
                     out = _call(act, q, k, v, qo, ko, mq, mk, causal, window)
@@ -113,6 +125,14 @@ def cases():
     for act in ("softmax", "silu", "gelu"):
         out.append((f"cross-{act}", act, [40, 3, 0, 33], [5, 0, 9, 1], False, None, torch.float32))
         out.append((f"pma-{act}", act, [4, 1, 7, 0], [70, 35, 0, 12], False, None, torch.float32))
+    # Short self-attention (longest sequence <= 64: the one-tile kernels, with band masks).
+    for act in ("softmax", "silu"):
+        out.append(
+            (f"short-self-{act}-causal_window", act, [20, 0, 1, 33, 64], None, True, (9, 7), torch.float32)
+        )
+        out.append((f"short-self-{act}-window", act, [20, 0, 1, 33, 64], None, False, (4, 11), torch.float32))
+    out.append(("cross-long-kv-relu2", "relu2", [70, 3, 0, 33], [64, 0, 40, 1], False, None, torch.float32))
+    out.append(("pma-32q-identity", "identity", [32, 1, 17, 0], [70, 35, 0, 12], False, None, torch.float32))
     # fp16 inputs (bf16 arithmetic is wrong in the interpreter; bf16 is tested on the GPU).
     for act in ("softmax", "silu"):
         out.append((f"fp16-self-{act}-causal", act, SELF_LENGTHS, None, True, None, torch.float16))
@@ -178,8 +198,26 @@ def main() -> None:
     results = []
     for name, act, lq, lk, causal, window, dtype in cases():
         results.append(run_case(name, act, lq, lk, causal, window, dtype))
+        if name.startswith(("cross", "pma", "short", "fp16-cross")):
+            # The asymmetric classes also have the general tiled kernels: check those too.
+            results.append(run_case(name + "-tiled", act, lq, lk, causal, window, dtype, variant="tiled"))
     for name, act, lq, lk, causal, window, dtype, d, dv, blocks in block_cases():
-        results.append(run_case(name, act, lq, lk, causal, window, dtype, d=d, dv=dv, blocks=blocks))
+        for variant in ("onetile", "tiled") if lk is not None else ("tiled",):
+            results.append(
+                run_case(
+                    name + "-" + variant,
+                    act,
+                    lq,
+                    lk,
+                    causal,
+                    window,
+                    dtype,
+                    d=d,
+                    dv=dv,
+                    blocks=blocks,
+                    variant=variant,
+                )
+            )
     for name, act, lq, lk, causal, window, odt in edge_cases():
         results.append(run_case(name, act, lq, lk, causal, window, torch.float32, offsets_dtype=odt))
     print("JSON:" + json.dumps(results))

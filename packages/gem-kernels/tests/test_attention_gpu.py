@@ -1,7 +1,9 @@
 """The attention Triton kernels on CUDA in bf16/fp16 against the fp32 reference (skipped without a GPU).
 
-Blocks are fixed at 64x64 here (one compile per case instead of an autotuning sweep); the autotuned
-configurations are checked at the benchmark shapes by ``benchmarks/bench_attention.py``.
+Blocks are fixed at 64x64 (the short side of a one-tile kernel at its bucket) and the implementation is
+forced ("tiled" general kernels, or "onetile" where it applies): one compile per case instead of an
+autotuning sweep. The autotuned configurations are checked at the benchmark shapes by
+``benchmarks/bench_attention.py``.
 """
 
 from __future__ import annotations
@@ -47,11 +49,26 @@ def _run(act, q, k, v, qo, ko, mq, mk, causal, window):
     return gdpa(q, k, v, qo, ko, max_q_len=mq, max_kv_len=mk, activation=act, causal=causal, window=window)
 
 
+LQ_SHORT = [20, 0, 1, 33, 64, 64, 7, 50]
+ONETILE_CASES = [
+    # Cross (short keys), PMA (few queries) and short self-attention: the one-tile kernels.
+    ("softmax", LQ, LK_CROSS, False, None, 128),
+    ("silu", LQ, LK_CROSS, False, None, 128),
+    ("softmax", LQ_PMA, LK_PMA, False, None, 128),
+    ("gelu", LQ_PMA, LK_PMA, False, None, 64),
+    ("softmax", LQ_SHORT, None, True, (9, 0), 64),
+    ("silu", LQ_SHORT, None, False, (5, 12), 128),
+]
+
+
 @pytest.mark.parametrize(
-    "dtype,act,lq,lk,causal,window,d",
-    [(torch.bfloat16, *c) for c in CASES] + [(torch.float16, *c) for c in CASES[:1] + CASES[5:7]],
+    "variant,dtype,act,lq,lk,causal,window,d",
+    [("tiled", torch.bfloat16, *c) for c in CASES]
+    + [("tiled", torch.float16, *c) for c in CASES[:1] + CASES[5:7]]
+    + [("onetile", torch.bfloat16, *c) for c in ONETILE_CASES]
+    + [("onetile", torch.float16, *c) for c in ONETILE_CASES[:2]],
 )
-def test_triton_matches_fp32_reference(dtype, act, lq, lk, causal, window, d):
+def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, window, d):
     torch.manual_seed(0)
     lk_ = lq if lk is None else lk
     qo, ko = _offsets(lq), (None if lk is None else _offsets(lk))
@@ -59,11 +76,11 @@ def test_triton_matches_fp32_reference(dtype, act, lq, lk, causal, window, d):
     q, k, v = (torch.randn(sum(n), 4, d, device="cuda").to(dtype) for n in (lq, lk_, lk_))
     dout = torch.randn(sum(lq), 4, d, device="cuda").to(dtype)
 
-    from gem_kernels.attention.triton_attention import force_blocks
+    from gem_kernels.attention.triton_attention import force_blocks, force_variant
 
     def grads(backend, cdtype):
         ts = [t.detach().clone().to(cdtype).requires_grad_(True) for t in (q, k, v)]
-        with use_backend(backend), force_blocks(64, 64):
+        with use_backend(backend), force_blocks(64, 64), force_variant(variant):
             out = _run(act, *ts, qo, ko, mq, mk, causal, window)
             out.backward(dout.to(cdtype))
         return [out.detach(), *(t.grad for t in ts)]

@@ -2,11 +2,20 @@
 
 On CUDA each kernel is autotuned over a few block shapes, keyed on bucketed shapes (batch to a power of
 two, the longest query/key sequence to a power of two, the band kind, the activation and head dims), so
-ragged batches do not retune every step. Which candidates are tried depends on the shape bucket:
-short keys (cross-attention, <= 64 keys) get narrow key tiles, few queries (PMA, <= 32) narrow query
-tiles. Under ``TRITON_INTERPRET=1`` (CPU tests) a fixed configuration runs; tests can force others with
-:func:`force_blocks`.
+ragged batches do not retune every step. Which candidates are tried depends on the shape class: short
+keys (cross-attention, <= 64 keys: ``short_kv``), few queries (PMA, <= 32: ``few_q``), or ``general``.
+
+For the two asymmetric classes there is a second implementation (:mod:`.triton_onetile`: one program per
+sequence and head, the short side in registers, the long side streamed): the forward of ``short_kv`` and
+the fused backward of ``short_kv`` and ``few_q``. On CUDA the first call of each bucket times both
+implementations (each autotuned) and keeps the faster, like an autotuner over kernels.
+
+Under ``TRITON_INTERPRET=1`` (CPU tests) fixed blocks run and the one-tile implementation is used where it
+applies; tests force blocks with :func:`force_blocks` and implementations with :func:`force_variant`.
 """
+
+# fmt: off
+# (Launch argument tuples stay packed: one argument per line would bury the logic.)
 
 from __future__ import annotations
 
@@ -16,11 +25,13 @@ from collections.abc import Iterator
 
 import torch
 import triton
+import triton.testing
 
 from gem_kernels._dispatch import triton_interpreted
 from gem_kernels.attention.activations import ACTIVATION_IDS
 from gem_kernels.attention.triton_bwd import _dkdv_kernel, _dq_kernel
 from gem_kernels.attention.triton_fwd import _fwd_kernel
+from gem_kernels.attention.triton_onetile import _bwd_few_q_kernel, _bwd_short_kv_kernel, _fwd_short_kv_kernel
 
 # Stands for an unbounded side of the band; small enough that ``i + UNBOUNDED`` fits in int32.
 UNBOUNDED = 1 << 30
@@ -28,6 +39,8 @@ SHORT_KV = 64  # cross-attention with at most this many keys per sequence
 FEW_Q = 32  # PMA-style pooling with at most this many queries per sequence
 
 _forced: tuple[int, int] | None = None
+_forced_variant: str | None = None
+VARIANTS = ("tiled", "onetile")
 
 
 @contextlib.contextmanager
@@ -39,6 +52,19 @@ def force_blocks(block_m: int, block_n: int) -> Iterator[None]:
         yield
     finally:
         _forced = old
+
+
+@contextlib.contextmanager
+def force_variant(name: str) -> Iterator[None]:
+    """Use ``"tiled"`` (the general kernels) or ``"onetile"`` where it applies, instead of timing both."""
+    global _forced_variant
+    if name not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}")
+    old, _forced_variant = _forced_variant, name
+    try:
+        yield
+    finally:
+        _forced_variant = old
 
 
 def _bucket(n: int) -> int:
@@ -115,6 +141,61 @@ _dkdv_tuned = _tuned("dkdv", _dkdv_kernel)
 _fast_act_ok = True  # cleared if the hardware-tanh activations fail to compile on this GPU/Triton
 
 
+def _onetile_tuned(fn, stream_block: str, candidates):
+    """Autotuned over the streamed block only; the resident block is fixed by the caller (the bucket)."""
+    configs = [triton.Config({stream_block: blk}, num_warps=w, num_stages=st) for blk, w, st in candidates]
+    return triton.autotune(configs, key=_KEY)(fn)
+
+
+_fwd_short_kv_tuned = _onetile_tuned(_fwd_short_kv_kernel, "BLOCK_M", [(128, 8, 3), (128, 4, 3), (64, 4, 3)])
+_bwd_short_kv_tuned = _onetile_tuned(_bwd_short_kv_kernel, "BLOCK_M", [(64, 4, 3), (128, 8, 3), (32, 4, 3)])
+_bwd_few_q_tuned = _onetile_tuned(_bwd_few_q_kernel, "BLOCK_N", [(64, 4, 3), (128, 8, 3), (128, 4, 3)])
+# (family, buckets, constexprs, dtype) -> "tiled" or "onetile", decided by timing on the first call.
+variant_choice: dict[tuple, str] = {}
+
+
+def _launch_onetile(tuned, raw, grid, args, consts, resident: dict) -> None:
+    """Launch a one-tile kernel: ``resident`` fixes the block of the short side."""
+    if triton_interpreted() or _forced is not None:
+        bm, bn = _forced if _forced is not None else (32, 32)
+        blocks = {"BLOCK_M": bm, "BLOCK_N": bn, **resident}
+        raw[grid](*args, **blocks, **consts)
+    else:
+        _with_fast_act_fallback(lambda c: tuned[grid](*args, **resident, **c), consts)
+
+
+def _with_fast_act_fallback(launch, consts) -> None:
+    global _fast_act_ok
+    try:
+        launch(consts)
+    except triton.CompilationError:
+        if not consts["FAST_ACT"]:
+            raise
+        _fast_act_ok = False
+        warnings.warn("hardware tanh failed to compile; GDPA activations use tl.sigmoid", stacklevel=3)
+        launch({**consts, "FAST_ACT": False})
+
+
+def _choose(key: tuple, tiled, onetile) -> None:
+    """Run ``onetile`` or ``tiled`` (callables that launch); on CUDA, time both once per key."""
+    if _forced_variant is not None or triton_interpreted():
+        (tiled if _forced_variant == "tiled" else onetile)()
+        return
+    if key not in variant_choice:
+        tiled()  # compile and autotune both first
+        try:
+            onetile()
+        except Exception as e:  # a kernel this GPU/Triton cannot build: keep the general kernels
+            warnings.warn(f"one-tile attention kernel unavailable ({type(e).__name__}: {e}); using the tiled "
+                          "kernels", stacklevel=3)
+            variant_choice[key] = "tiled"
+        else:
+            t_tiled = triton.testing.do_bench(tiled, warmup=5, rep=20, return_mode="median")
+            t_one = triton.testing.do_bench(onetile, warmup=5, rep=20, return_mode="median")
+            variant_choice[key] = "onetile" if t_one < t_tiled else "tiled"
+    (onetile if variant_choice[key] == "onetile" else tiled)()
+
+
 def _launch(tuned, raw, grid_of, args, consts) -> None:
     """Launch ``raw`` with fixed blocks (interpreter or forced) or ``tuned`` (CUDA autotune).
 
@@ -125,19 +206,9 @@ def _launch(tuned, raw, grid_of, args, consts) -> None:
             return
         raw[grid_of(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, **consts)
     elif 0 not in grid_of(16, 16):
-        try:
-            tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
-        except triton.CompilationError:
-            if not consts["FAST_ACT"]:
-                raise
-            global _fast_act_ok
-            _fast_act_ok = False
-            warnings.warn(
-                "hardware tanh failed to compile; GDPA activations fall back to tl.sigmoid", stacklevel=3
-            )
-            tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](
-                *args, **{**consts, "FAST_ACT": False}
-            )
+        _with_fast_act_fallback(
+            lambda c: tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **c), consts
+        )
 
 
 def _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right):
@@ -170,9 +241,12 @@ def _strides(*ts: torch.Tensor) -> tuple[int, ...]:
     return tuple(s for t in ts for s in (t.stride(0), t.stride(1)))
 
 
-def attention_fwd(
-    q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, left, right, qk_scale, out_scale
-):
+def _choice_key(family: str, q: torch.Tensor, buckets, consts) -> tuple:
+    return (family, q.dtype, *buckets, *sorted(consts.items()))
+
+
+def attention_fwd(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, left, right, qk_scale,
+                  out_scale):
     """Triton forward: ``(out [total_q, H, Dv], lse [total_q, H] fp32, or empty for GDPA)``.
 
     Arguments as in :func:`gem_kernels.attention.reference.attention_fwd`, plus the host ints
@@ -184,46 +258,31 @@ def attention_fwd(
     if q.shape[0] == 0 or batch == 0 or heads == 0:
         return out, lse
     left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
-    args = (
-        q,
-        k,
-        v,
-        out,
-        lse,
-        q_offsets,
-        kv_offsets,
-        *_strides(q, k, v, out),
-        heads,
-        left,
-        right,
-        qk_scale,
-        out_scale,
-        *buckets,
-    )
-    _launch(_fwd_tuned, _fwd_kernel, lambda bm, bn: (batch * heads, triton.cdiv(max_q_len, bm)), args, consts)
+    args = (q, k, v, out, lse, q_offsets, kv_offsets, *_strides(q, k, v, out), heads, left, right, qk_scale,
+            out_scale, *buckets)
+
+    def tiled():
+        grid_of = lambda bm, bn: (batch * heads, triton.cdiv(max_q_len, bm))
+        _launch(_fwd_tuned, _fwd_kernel, grid_of, args, consts)
+
+    if shape_class(buckets[1], buckets[2]) != "short_kv":
+        tiled()
+        return out, lse
+
+    def onetile():
+        _launch_onetile(_fwd_short_kv_tuned, _fwd_short_kv_kernel, (batch * heads,), args, consts,
+                        {"BLOCK_N": buckets[2]})
+
+    _choose(_choice_key("fwd", q, buckets, consts), tiled, onetile)
     return out, lse
 
 
-def attention_bwd(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    q_offsets,
-    kv_offsets,
-    max_q_len,
-    max_kv_len,
-    activation,
-    left,
-    right,
-    qk_scale,
-    out_scale,
-):
+def attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, left,
+                  right, qk_scale, out_scale):
     """Triton backward: ``(dq, dk, dv)`` in the dtypes of ``(q, k, v)``.
 
-    Runs the dQ kernel (which also writes ``delta = rowsum(dO * O)`` for softmax), then the dK/dV kernel."""
+    General: the dQ kernel (which also writes ``delta = rowsum(dO * O)`` for softmax), then the dK/dV
+    kernel. Short keys or few queries: also a single fused one-tile kernel (see the module docstring)."""
     batch, heads = q_offsets.numel() - 1, q.shape[1]
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -232,55 +291,35 @@ def attention_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     dout = dout.contiguous()
     left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
-    delta = torch.empty_like(lse)
-    if q.shape[0] > 0:
-        args = (
-            q,
-            k,
-            v,
-            out,
-            dout,
-            dq,
-            lse,
-            delta,
-            q_offsets,
-            kv_offsets,
-            *_strides(q, k, v, out),
-            heads,
-            left,
-            right,
-            qk_scale,
-            out_scale,
-            *buckets,
-        )
-        _launch(
-            _dq_tuned, _dq_kernel, lambda bm, bn: (batch * heads, triton.cdiv(max_q_len, bm)), args, consts
-        )
-    if k.shape[0] > 0:
-        args = (
-            q,
-            k,
-            v,
-            dout,
-            dk,
-            dv,
-            lse,
-            delta,
-            q_offsets,
-            kv_offsets,
-            *_strides(q, k, v, out),
-            heads,
-            left,
-            right,
-            qk_scale,
-            out_scale,
-            *buckets,
-        )
-        _launch(
-            _dkdv_tuned,
-            _dkdv_kernel,
-            lambda bm, bn: (batch * heads, triton.cdiv(max_kv_len, bn)),
-            args,
-            consts,
-        )
+    strides = _strides(q, k, v, out)
+
+    def tiled():
+        delta = torch.empty_like(lse)
+        if q.shape[0] > 0:
+            args = (q, k, v, out, dout, dq, lse, delta, q_offsets, kv_offsets, *strides, heads, left, right,
+                    qk_scale, out_scale, *buckets)
+            _launch(_dq_tuned, _dq_kernel, lambda bm, bn: (batch * heads, triton.cdiv(max_q_len, bm)), args,
+                    consts)
+        if k.shape[0] > 0:
+            args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, *strides, heads, left, right,
+                    qk_scale, out_scale, *buckets)
+            _launch(_dkdv_tuned, _dkdv_kernel, lambda bm, bn: (batch * heads, triton.cdiv(max_kv_len, bn)),
+                    args, consts)
+
+    kind = shape_class(buckets[1], buckets[2])
+    if kind == "general":
+        tiled()
+        return dq, dk, dv
+    args = (q, k, v, out, dout, dq, dk, dv, lse, q_offsets, kv_offsets, *strides, heads, left, right,
+            qk_scale, out_scale, *buckets)
+    if kind == "short_kv":
+        def onetile():
+            _launch_onetile(_bwd_short_kv_tuned, _bwd_short_kv_kernel, (batch * heads,), args, consts,
+                            {"BLOCK_N": buckets[2]})
+    else:
+        def onetile():
+            _launch_onetile(_bwd_few_q_tuned, _bwd_few_q_kernel, (batch * heads,), args, consts,
+                            {"BLOCK_M": buckets[1]})
+
+    _choose(_choice_key("bwd", q, buckets, consts), tiled, onetile)
     return dq, dk, dv

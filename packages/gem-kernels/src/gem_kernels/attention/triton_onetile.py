@@ -1,0 +1,228 @@
+"""Triton kernels for jagged attention whose keys (cross-attention) or queries (PMA) fit in one tile.
+
+One program per (sequence, head) keeps the short side in registers and streams the long side in a
+loop, so every tensor is read once and the loop's loads are pipelined:
+
+- ``_fwd_short_kv_kernel``: all keys of a sequence in one tile of BLOCK_N; loop over query tiles. The
+  softmax needs no online rescaling (the whole row is in the tile).
+- ``_bwd_short_kv_kernel``: same split; each query tile's dQ is complete in its iteration, dK and dV
+  accumulate in registers over the query tiles.
+- ``_bwd_few_q_kernel``: all queries in one tile of BLOCK_M; loop over key tiles. Each key tile's dK and dV
+  are complete in its iteration, dQ accumulates in registers. (The PMA forward is the general forward
+  kernel with one query tile per sequence.)
+
+No atomics: a program writes only rows of its own sequence and head. Masks (the band, sequence ends) are
+applied on every tile. Layout and conventions as in :mod:`.triton_common`.
+"""
+
+# fmt: off
+# (Kernel argument lists stay packed: one argument per line would triple the length of this file.)
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gem_kernels.attention.triton_common import LN2, LOG2E, _act, _act_and_grad
+
+
+@triton.jit
+def _visible(offs_m, offs_n, len_q, len_kv, left, right):
+    """Bool ``[BM, BN]``: query ``offs_m`` sees key ``offs_n``."""
+    return ((offs_m[:, None] < len_q) & (offs_n[None, :] < len_kv)
+            & (offs_n[None, :] >= offs_m[:, None] - left) & (offs_n[None, :] <= offs_m[:, None] + right))
+
+
+@triton.jit
+def _fwd_short_kv_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                         stride_oh,
+                         n_heads, left, right, qk_scale, out_scale,
+                         bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
+                         ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // n_heads
+    h = pid % n_heads
+    q_start = tl.load(q_offsets + b).to(tl.int64)
+    len_q = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+    kv_start = tl.load(kv_offsets + b).to(tl.int64)
+    len_kv = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < len_kv
+    kt = tl.load(K + (kv_start + offs_n[None, :]) * stride_kt + h * stride_kh + offs_d[:, None],
+                 mask=col_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BD, BN]
+    v = tl.load(V + (kv_start + offs_n[:, None]) * stride_vt + h * stride_vh + offs_dv[None, :],
+                mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BN, BDV]
+    if ACT == 0:
+        s_scale = qk_scale * LOG2E
+    else:
+        s_scale = qk_scale
+    for start_m in range(0, len_q, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < len_q
+        q = tl.load(Q + (q_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        s = tl.dot(q, kt, input_precision=PRECISION) * s_scale  # [BM, BN]
+        visible = _visible(offs_m, offs_n, len_q, len_kv, left, right)
+        if ACT == 0:
+            s = tl.where(visible, s, float("-inf"))
+            m = tl.max(s, 1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            p = tl.math.exp2(s - m_safe[:, None])
+            l_i = tl.sum(p, 1)
+            empty = l_i == 0.0
+            o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) / tl.where(empty, 1.0, l_i)[:, None]
+            lse = tl.where(empty, float("-inf"), (m_safe + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+            tl.store(LSE + (q_start + offs_m) * n_heads + h, lse, mask=row_ok)
+        else:
+            p = tl.where(visible, _act(s, ACT, FAST_ACT), 0.0)
+            o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) * out_scale
+        tl.store(Out + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
+                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _probs_and_dscores(s, dp, lse2, delta, visible, ACT: tl.constexpr, FAST_ACT: tl.constexpr):
+    """(P, dS) of one tile, zero where not visible: softmax from the saved log-sum-exp, or act/act'."""
+    if ACT == 0:
+        p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+    else:
+        a, da = _act_and_grad(s, ACT, FAST_ACT)
+        p = tl.where(visible, a, 0.0)
+        ds = tl.where(visible, dp * da, 0.0)
+    return p, ds
+
+
+@triton.jit
+def _row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh, offs_dv,
+               DV: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Softmax: (lse in base 2, +inf for rows without keys; delta = rowsum(dO * O)). GDPA: zeros."""
+    if ACT == 0:
+        o = tl.load(Out + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
+                    mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        lse = tl.load(LSE + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    else:
+        delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+        lse2 = delta
+    return lse2, delta
+
+
+@triton.jit
+def _bwd_short_kv_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                         stride_oh,
+                         n_heads, left, right, qk_scale, out_scale,
+                         bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
+                         ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // n_heads
+    h = pid % n_heads
+    q_start = tl.load(q_offsets + b).to(tl.int64)
+    len_q = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+    kv_start = tl.load(kv_offsets + b).to(tl.int64)
+    len_kv = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < len_kv
+    k_rows = (kv_start + offs_n[:, None]) * stride_kt + h * stride_kh
+    v_rows = (kv_start + offs_n[:, None]) * stride_vt + h * stride_vh
+    k = tl.load(K + k_rows + offs_d[None, :], mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    v = tl.load(V + v_rows + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    if ACT == 0:
+        s_scale = qk_scale * LOG2E
+        g_scale = qk_scale
+        v_scale = 1.0
+    else:
+        s_scale = qk_scale
+        g_scale = qk_scale * out_scale
+        v_scale = out_scale
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    for start_m in range(0, len_q, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < len_q
+        q_rows = (q_start + offs_m[:, None]) * stride_qt + h * stride_qh
+        q = tl.load(Q + q_rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        do = tl.load(DO + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
+                     mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        lse2, delta = _row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
+                                 offs_dv, DV, ACT, BLOCK_M)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BM, BN]
+        visible = _visible(offs_m, offs_n, len_q, len_kv, left, right)
+        p, ds = _probs_and_dscores(s, dp, lse2, delta, visible, ACT, FAST_ACT)
+        dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * g_scale
+        tl.store(DQ + q_rows + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_d[None, :] < D))
+        dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=PRECISION)
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
+    tl.store(DK + k_rows + offs_d[None, :], (dk * g_scale).to(DK.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(DV_ + v_rows + offs_dv[None, :], (dv * v_scale).to(DV_.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _bwd_few_q_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                      n_heads, left, right, qk_scale, out_scale,
+                      bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
+                      ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // n_heads
+    h = pid % n_heads
+    q_start = tl.load(q_offsets + b).to(tl.int64)
+    len_q = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+    kv_start = tl.load(kv_offsets + b).to(tl.int64)
+    len_kv = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < len_q
+    q_rows = (q_start + offs_m[:, None]) * stride_qt + h * stride_qh
+    q = tl.load(Q + q_rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    do = tl.load(DO + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    lse2, delta = _row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
+                             offs_dv, DV, ACT, BLOCK_M)
+    if ACT == 0:
+        s_scale = qk_scale * LOG2E
+        g_scale = qk_scale
+        v_scale = 1.0
+    else:
+        s_scale = qk_scale
+        g_scale = qk_scale * out_scale
+        v_scale = out_scale
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, len_kv, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < len_kv
+        k_rows = (kv_start + offs_n[:, None]) * stride_kt + h * stride_kh
+        v_rows = (kv_start + offs_n[:, None]) * stride_vt + h * stride_vh
+        k = tl.load(K + k_rows + offs_d[None, :], mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(V + v_rows + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BM, BN]
+        visible = _visible(offs_m, offs_n, len_q, len_kv, left, right)
+        p, ds = _probs_and_dscores(s, dp, lse2, delta, visible, ACT, FAST_ACT)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+        dv = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION) * v_scale  # [BN, BDV]
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * g_scale  # [BN, BD]
+        tl.store(DK + k_rows + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=col_ok[:, None] & (offs_d[None, :] < D))
+        tl.store(DV_ + v_rows + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
+                 mask=col_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(DQ + q_rows + offs_d[None, :], (dq * g_scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < D))
