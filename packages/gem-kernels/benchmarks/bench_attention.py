@@ -423,7 +423,15 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--check-seqs", type=int, default=16)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, reference path")
+    ap.add_argument("--variant", default="auto", help="tiled | onetile | auto (time both per bucket)")
     a = ap.parse_args()
+    from gem_kernels.attention.triton_attention import force_variant
+
+    with force_variant(a.variant):
+        run(a)
+
+
+def run(a) -> None:
     global DEV, SMOKE, DTYPE
     if a.smoke:
         DEV, SMOKE, DTYPE, a.check_seqs = "cpu", 64, torch.float32, 2
