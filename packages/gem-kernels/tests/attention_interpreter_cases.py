@@ -46,6 +46,13 @@ def _call(act, q, k, v, qo, ko, max_q, max_k, causal, window):
     )
 
 
+def _padded(t):
+    """A copy of ``t`` ``[T, H, d]`` inside a ``[T, H, d + 5]`` buffer (the caller slices it back)."""
+    wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 5, dtype=t.dtype)
+    wide[..., : t.shape[-1]] = t
+    return wide
+
+
 def _rel(a, b):
     b = b.double()
     n = b.norm().item()
@@ -66,6 +73,7 @@ def run_case(
     seed=0,
     offsets_dtype=torch.int32,
     variant="onetile",
+    strided=False,
 ):
     g = torch.Generator().manual_seed(seed)
     cross = lk is not None
@@ -81,22 +89,26 @@ def run_case(
     mq, mk = max(lq), (max(lk_) if cross else None)
     dout = torch.randn(sum(lq), h, dv, generator=g, dtype=torch.float64).to(dtype)
 
-    def grads(q, k, v, backend, blocks_=None):
-        q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    def grads(q, k, v, backend, blocks_=None, strided_=False):
+        # strided_: the op gets views whose rows and heads are padded apart (unit stride in the last dim).
+        leaves = [_padded(t) if strided_ else t.detach().clone() for t in (q, k, v)]
+        for t in leaves:
+            t.requires_grad_(True)
+        args = [t[..., : x.shape[-1]] for t, x in zip(leaves, (q, k, v))]
         with use_backend(backend), triton_attention.force_variant(variant):
             if blocks_ is not None:
                 with triton_attention.force_blocks(*blocks_):
-                    out = _call(act, q, k, v, qo, ko, mq, mk, causal, window)
+                    out = _call(act, *args, qo, ko, mq, mk, causal, window)
                     out.backward(dout.to(out.dtype))
             else:
-                out = _call(act, q, k, v, qo, ko, mq, mk, causal, window)
+                out = _call(act, *args, qo, ko, mq, mk, causal, window)
                 out.backward(dout.to(out.dtype))
-        return out, q.grad, k.grad, v.grad
+        return (out, *(t.grad[..., : x.shape[-1]] for t, x in zip(leaves, (q, k, v))))
 
     ref = grads(q64, k64, v64, "reference")
     low = tuple(t.to(dtype) for t in (q64, k64, v64))
     ref_low = grads(*low, "reference")
-    tri = grads(*low, "triton", blocks)
+    tri = grads(*low, "triton", blocks, strided)
     finite = all(bool(torch.isfinite(t).all()) for t in tri)
     # Queries whose key sequence is empty must output exactly 0 with zero gradient.
     empty_rows_zero = True
@@ -220,6 +232,39 @@ def main() -> None:
             )
     for name, act, lq, lk, causal, window, odt in edge_cases():
         results.append(run_case(name, act, lq, lk, causal, window, torch.float32, offsets_dtype=odt))
+    # Strided (non-contiguous) q, k, v: the kernels read them in place.
+    for variant in ("tiled", "onetile"):
+        results.append(
+            run_case(
+                f"strided-softmax-cross-{variant}",
+                "softmax",
+                [40, 3, 0, 33],
+                [5, 0, 9, 1],
+                False,
+                None,
+                torch.float32,
+                variant=variant,
+                strided=True,
+            )
+        )
+        results.append(
+            run_case(
+                f"strided-silu-pma-{variant}",
+                "silu",
+                [4, 1, 7, 0],
+                [70, 35, 0, 12],
+                False,
+                None,
+                torch.float32,
+                variant=variant,
+                strided=True,
+            )
+        )
+    results.append(
+        run_case(
+            "strided-gelu-self-causal", "gelu", SELF_LENGTHS, None, True, None, torch.float32, strided=True
+        )
+    )
     print("JSON:" + json.dumps(results))
 
 

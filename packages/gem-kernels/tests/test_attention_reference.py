@@ -293,3 +293,29 @@ def test_self_attention_random_shapes(lengths, act, mask, seed):
         g = torch.randn_like(out)
         for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_strided_inputs_and_contiguous_grads():
+    """Views with padded rows and heads (e.g. ``kv.view(T, 2, H, D).unbind(1)``) give the same results as
+    contiguous copies, and the gradients come back contiguous (as the fake implementation declares)."""
+    q, k, v, qo, ko = _inputs([4, 0, 6], [3, 5, 0], h=2, d=8, dv=8, dtype=torch.float32, seed=12)
+    kv = torch.stack([k, v], dim=1).requires_grad_(True)  # [T, 2, H, D]
+    qw = torch.cat([q, torch.zeros_like(q)], dim=-1).requires_grad_(True)  # [T, H, 2D]
+    ks, vs = kv.unbind(1)
+    qs = qw[..., :8]
+    assert not ks.is_contiguous() and not qs.is_contiguous()
+    out = gdpa(qs, ks, vs, qo, ko, max_q_len=6, max_kv_len=5, activation="gelu")
+    g = torch.randn_like(out)
+    out.backward(g)
+    qc, kc, vc = (t.clone().requires_grad_(True) for t in (q, k, v))
+    want = gdpa(qc, kc, vc, qo, ko, max_q_len=6, max_kv_len=5, activation="gelu")
+    want.backward(g)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(qw.grad[..., :8], qc.grad)
+    torch.testing.assert_close(kv.grad[:, 0], kc.grad)
+    torch.testing.assert_close(kv.grad[:, 1], vc.grad)
+    dq, dk, dv = torch.ops.gem_kernels.jagged_attention_bwd(
+        g, qs.detach(), ks.detach(), vs.detach(), out.detach(), torch.empty(0), qo, ko, 6, 5, "gelu", -1, -1,
+        8**-0.5, 0.2,
+    )  # fmt: skip
+    assert dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous()

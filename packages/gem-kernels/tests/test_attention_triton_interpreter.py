@@ -4,10 +4,10 @@ The interpreter has to be on before triton is first imported, so the cases run i
 (``attention_interpreter_cases.py``) with ``TRITON_INTERPRET=1``; this module checks what it reports.
 Covered: softmax and every GDPA activation, x no mask / causal / window / causal+window (self-attention),
 cross-attention with short keys and an empty key sequence, PMA (few queries, long keys), short
-self-attention with band masks (the one-tile kernels, and the general tiled ones), fp32 and fp16,
-lengths 0, 1, 16, 37, 64, 70 (non-multiples of the blocks), other tile shapes, and head dims that are not
-powers of two, diagonal-only and very wide windows, int32 and int64 offsets; forward and the three
-gradients.
+self-attention with band masks (the one-tile kernels, and the general tiled ones), fp32 and fp16, lengths 0,
+1, 16, 37, 64, 70 (non-multiples of the blocks), other tile shapes, and head dims that are not powers of
+two, diagonal-only and very wide windows, int32 and int64 offsets, strided (non-contiguous) inputs; forward
+and the three gradients.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def results():
 
 
 def test_interpreter_cases_match_reference(results):
-    assert len(results) >= 60
+    assert len(results) >= 69
     bad = []
     for r in results:
         for what, err, ref in zip(("out", "dq", "dk", "dv"), r["err"], r["ref_err"]):

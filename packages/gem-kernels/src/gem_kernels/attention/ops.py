@@ -154,7 +154,8 @@ def _attention_bwd_fake(
     qk_scale,
     out_scale,
 ):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous whatever the inputs' strides, as both implementations return.
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _STATIC = ("max_q_len", "max_kv_len", "activation", "left", "right", "qk_scale", "out_scale")
@@ -315,9 +316,9 @@ def _prepare(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, wind
     )
     left, right = _band(causal, window, self_attention)
     return (
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
+        _unit_last(q),
+        _unit_last(k),
+        _unit_last(v),
         q_offsets.contiguous(),
         kv_offsets.contiguous(),
         max_q_len,
@@ -325,6 +326,12 @@ def _prepare(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, wind
         left,
         right,
     )
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim has unit stride (the kernels take row and head strides, so views
+    such as ``kv.view(T, 2, H, D).unbind(1)`` need no copy), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _check_scale(name: str, value, default: float) -> float:

@@ -293,12 +293,13 @@ def attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max
     General: the dQ kernel (which also writes ``delta = rowsum(dO * O)`` for softmax), then the dK/dV
     kernel. Short keys or few queries: also a single fused one-tile kernel (see the module docstring)."""
     batch, heads = q_offsets.numel() - 1, q.shape[1]
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    # Contiguous gradients whatever the inputs' strides (the kernels address them with row stride H*D).
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if batch == 0 or heads == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    dout = dout.contiguous()
+    dout, out = dout.contiguous(), out.contiguous()  # dO is addressed with O's strides
     left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
     strides = _strides(q, k, v, out)
 

@@ -106,7 +106,8 @@ def _dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets,
             dq = dq * qk_scale
         else:
             dq = dq * (qk_scale * out_scale)
-        tl.store(DQ + q_rows + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+        dq_ptrs = DQ + (q_start + offs_m[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
@@ -200,7 +201,9 @@ def _dkdv_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets,
         else:
             dk = dk * (qk_scale * out_scale)
             dv = dv * out_scale
-        tl.store(DK + k_rows + offs_d[None, :], dk.to(DK.dtype.element_ty),
+        dk_ptrs = DK + (kv_start + offs_n[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty),
                  mask=col_ok[:, None] & (offs_d[None, :] < D))
-        tl.store(DV_ + v_rows + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
+        dv_ptrs = DV_ + (kv_start + offs_n[:, None]) * (n_heads * DV) + h * DV + offs_dv[None, :]
+        tl.store(dv_ptrs, dv.to(DV_.dtype.element_ty),
                  mask=col_ok[:, None] & (offs_dv[None, :] < DV))

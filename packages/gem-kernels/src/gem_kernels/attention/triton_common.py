@@ -1,11 +1,12 @@
 """Shared Triton helpers of the jagged attention kernels: activations and the band of visible tiles.
 
 Layout: q/o/do/dq ``[total_q, H, *]``, k/v/dk/dv ``[total_kv, H, *]``, rows of one head ``stride_t`` apart;
-``lse``/``delta`` ``[total_q, H]`` fp32. Grids are ``(B*H, tiles of the longest sequence)``: a program whose
-tile starts past its sequence's end does nothing, and the loop over the other side only visits tiles
-inside the causal/window band. Each loop runs in three phases, ``[lo, full_lo)`` masked,
-``[full_lo, full_hi)`` unmasked (tiles wholly inside the sequence and the band), ``[full_hi, hi)`` masked,
-so that only edge tiles pay for masking.
+``lse``/``delta`` ``[total_q, H]`` fp32. Inputs may be strided views (unit stride in the last dim); outputs
+and gradients are allocated contiguous, so their row stride is ``H * D``. Grids are ``(B*H, tiles of the
+longest sequence)``: a program whose tile starts past its sequence's end does nothing, and the loop over the
+other side only visits tiles inside the causal/window band. Each loop runs in three phases, ``[lo,
+full_lo)`` masked, ``[full_lo, full_hi)`` unmasked (tiles wholly inside the sequence and the band),
+``[full_hi, hi)`` masked, so that only edge tiles pay for masking.
 
 Band: key ``j`` is visible from query ``i`` iff ``i - left <= j <= i + right``; the launcher passes a large
 number for an unbounded side. Softmax works in base 2 (``qk_scale`` is pre-multiplied by log2(e)); the

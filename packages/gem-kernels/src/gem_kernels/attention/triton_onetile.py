@@ -162,13 +162,16 @@ def _bwd_short_kv_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offse
         visible = _visible(offs_m, offs_n, len_q, len_kv, left, right)
         p, ds = _probs_and_dscores(s, dp, lse2, delta, visible, ACT, FAST_ACT)
         dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * g_scale
-        tl.store(DQ + q_rows + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+        dq_ptrs = DQ + (q_start + offs_m[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_d[None, :] < D))
         dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=PRECISION)
         dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
-    tl.store(DK + k_rows + offs_d[None, :], (dk * g_scale).to(DK.dtype.element_ty),
+    dk_ptrs = DK + (kv_start + offs_n[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
+    tl.store(dk_ptrs, (dk * g_scale).to(DK.dtype.element_ty),
              mask=col_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(DV_ + v_rows + offs_dv[None, :], (dv * v_scale).to(DV_.dtype.element_ty),
+    dv_ptrs = DV_ + (kv_start + offs_n[:, None]) * (n_heads * DV) + h * DV + offs_dv[None, :]
+    tl.store(dv_ptrs, (dv * v_scale).to(DV_.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dv[None, :] < DV))
 
 
@@ -220,9 +223,12 @@ def _bwd_few_q_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets,
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
         dv = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION) * v_scale  # [BN, BDV]
         dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * g_scale  # [BN, BD]
-        tl.store(DK + k_rows + offs_d[None, :], dk.to(DK.dtype.element_ty),
+        dk_ptrs = DK + (kv_start + offs_n[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty),
                  mask=col_ok[:, None] & (offs_d[None, :] < D))
-        tl.store(DV_ + v_rows + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
+        dv_ptrs = DV_ + (kv_start + offs_n[:, None]) * (n_heads * DV) + h * DV + offs_dv[None, :]
+        tl.store(dv_ptrs, dv.to(DV_.dtype.element_ty),
                  mask=col_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(DQ + q_rows + offs_d[None, :], (dq * g_scale).to(DQ.dtype.element_ty),
+    dq_ptrs = DQ + (q_start + offs_m[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * g_scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d[None, :] < D))
