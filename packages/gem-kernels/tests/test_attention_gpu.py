@@ -66,7 +66,9 @@ ONETILE_CASES = [
     [("tiled", torch.bfloat16, *c) for c in CASES]
     + [("tiled", torch.float16, *c) for c in CASES[:1] + CASES[5:7]]
     + [("onetile", torch.bfloat16, *c) for c in ONETILE_CASES]
-    + [("onetile", torch.float16, *c) for c in ONETILE_CASES[:2]],
+    + [("onetile", torch.float16, *c) for c in ONETILE_CASES[:2]]
+    # Strided inputs (padded rows and heads), read in place by both implementations.
+    + [("strided-tiled", torch.bfloat16, *CASES[0]), ("strided-onetile", torch.bfloat16, *ONETILE_CASES[3])],
 )
 def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, window, d):
     torch.manual_seed(0)
@@ -78,12 +80,21 @@ def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, wind
 
     from gem_kernels.attention.triton_attention import force_blocks, force_variant
 
+    strided = variant.startswith("strided-")
+
     def grads(backend, cdtype):
-        ts = [t.detach().clone().to(cdtype).requires_grad_(True) for t in (q, k, v)]
-        with use_backend(backend), force_blocks(64, 64), force_variant(variant):
-            out = _run(act, *ts, qo, ko, mq, mk, causal, window)
+        # Leaves padded to 2*d in the last dim when strided; the op gets the first d columns (a view).
+        leaves = [
+            (torch.cat([t, torch.zeros_like(t)], -1) if strided else t)
+            .detach()
+            .to(cdtype)
+            .requires_grad_(True)
+            for t in (q, k, v)
+        ]
+        with use_backend(backend), force_blocks(64, 64), force_variant(variant.removeprefix("strided-")):
+            out = _run(act, *(t[..., :d] for t in leaves), qo, ko, mq, mk, causal, window)
             out.backward(dout.to(cdtype))
-        return [out.detach(), *(t.grad for t in ts)]
+        return [out.detach(), *(t.grad[..., :d] for t in leaves)]
 
     ref = grads("reference", torch.float32)
     ref_low = grads("reference", dtype)
