@@ -17,6 +17,7 @@ def test_torchrun_two_process_gloo_smoke(tmp_path):
         "-m", "gem_train.cli", "train",
         "data.batch_size=16", "data.eval_batch_size=64", "data.synthetic.eval_examples=192",
         "data.synthetic.max_len=8", "data.synthetic.num_users=300", "data.synthetic.num_items=200",
+        "model.overrides.n_layers=1", 'model.overrides.attention="full"',
         "train.steps=4", "train.log_every=2", "train.eval_every=2", "train.progress_bar=false",
         "checkpoint.every=2", f"run.out_dir={tmp_path}",
     ]  # fmt: skip

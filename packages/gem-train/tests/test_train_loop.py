@@ -14,11 +14,13 @@ from gem_train.trainer import NonFiniteLossError, Trainer
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-# Small and fast: 32 examples per batch, short histories, a small evaluation split.
+# Small and fast: 16 examples per batch, one layer, short histories, a small evaluation split.
 SMALL = [
-    "data.batch_size=32",
+    "data.batch_size=16",
     "data.eval_batch_size=128",
-    "data.synthetic.eval_examples=256",
+    "data.synthetic.eval_examples=128",
+    "model.overrides.n_layers=1",
+    'model.overrides.attention="full"',
     "data.synthetic.max_len=16",
     "data.synthetic.num_users=500",
     "data.synthetic.num_items=300",
