@@ -33,7 +33,7 @@ def run_bench(
     cfg: TrainConfig, steps: int = 20, warmup: int = 5, distinct_batches: int = 4
 ) -> dict[str, Any]:
     """Time ``steps`` training steps after ``warmup`` untimed ones; return the measurements."""
-    d = init_distributed(cfg.run.device)
+    d = init_distributed(cfg.run.device, cfg.run.cpu_threads)
     device = d.device
     source = build_source(cfg)
     t0 = time.perf_counter()

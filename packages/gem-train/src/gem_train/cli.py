@@ -108,7 +108,7 @@ def _eval(args: argparse.Namespace) -> int:
     from gem_train.trainer import build_source, evaluate_model, init_distributed
 
     cfg, ckpt = _checkpoint_config(Path(args.checkpoint), args.overrides)
-    d = init_distributed(cfg.run.device)
+    d = init_distributed(cfg.run.device, cfg.run.cpu_threads)
     source = build_source(cfg)
     model = build_model(cfg.model, source.spec, d.device, cfg.run.seed, cfg.precision).model
     state = load_checkpoint(ckpt, model, None, restore_rng=False)

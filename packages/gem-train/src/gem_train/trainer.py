@@ -90,14 +90,16 @@ def _resolve_device(spec: str, local_rank: int) -> torch.device:
     return dev
 
 
-def init_distributed(device_spec: str) -> DistInfo:
+def init_distributed(device_spec: str, cpu_threads: int = 0) -> DistInfo:
     """Join the process group when launched by ``torchrun`` (``WORLD_SIZE`` > 1), else run alone.
 
-    Backend: NCCL on CUDA, gloo on the CPU.
+    Backend: NCCL on CUDA, gloo on the CPU. On the CPU, ``cpu_threads > 0`` sets torch's intra-op threads.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _resolve_device(device_spec, local_rank)
+    if device.type == "cpu" and cpu_threads > 0:
+        torch.set_num_threads(cpu_threads)
     if world > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -303,7 +305,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, resume: str | Path | None = None) -> None:
         self.cfg = cfg
-        self.dist = init_distributed(cfg.run.device)
+        self.dist = init_distributed(cfg.run.device, cfg.run.cpu_threads)
         self.device = self.dist.device
         resume = resume or cfg.checkpoint.resume_from or None
         self.resume_from = self._resolve_resume(resume) if resume else None
