@@ -9,6 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from gem_kernels import Rotary, apply_rotary, block_attention
+from gem_kernels.block import count_block_pairs
 
 LENGTHS = [0, 1, 63, 64, 65, 2]
 
@@ -169,14 +170,32 @@ def test_block_attention_opcheck():
         torch.library.opcheck(torch.ops.gem_kernels.block_attention.default, args)
 
 
-def test_block_attention_flop_count():
-    total, heads, d = 1000, 4, 32
-    q = torch.randn(total, heads, d)
-    offsets = torch.tensor([0, 600, 1000])
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_attention_flop_count(causal):
+    # 600 = 9 * 64 + 24 and 400 = 6 * 64 + 16 tokens: full blocks and a partial last block; one empty
+    # sequence.
+    total, heads, d, dv = 1000, 4, 32, 16
+    q = torch.randn(total, heads, d, requires_grad=True)
+    v = torch.randn(total, heads, dv, requires_grad=True)
+    offsets = torch.tensor([0, 600, 600, 1000])
+    pairs = (lambda w: w * (w + 1) // 2) if causal else (lambda w: w * w)
+    valid = 15 * pairs(64) + pairs(24) + pairs(16)
+    assert count_block_pairs(offsets, 64, causal) == valid
+    assert count_block_pairs(torch.tensor([0]), 64, causal) == 0
+    # Small blocks against a pair-by-pair count.
+    lengths = [5, 0, 9, 1]
+    naive = sum(
+        i // 4 == j // 4 and (j <= i or not causal) for n in lengths for i in range(n) for j in range(n)
+    )
+    assert count_block_pairs(_offsets(lengths), 4, causal) == naive
     with FlopCounterMode(display=False) as counter:
-        block_attention(q, q, q, offsets, max_seq_len=600, block_size=64)
-    # Forward: QK^T and PV, 2 FLOPs per multiply-add, every query against a full block of 64 keys.
-    assert counter.get_total_flops() == 2 * total * heads * 64 * (d + d)
+        out = block_attention(q, q, v, offsets, max_seq_len=600, block_size=64, causal=causal)
+    # Forward: QK^T and PV, 2 FLOPs per multiply-add, over the valid pairs of each block only.
+    assert counter.get_total_flops() == 2 * valid * heads * (d + dv)
+    with FlopCounterMode(display=False) as counter:
+        out.sum().backward()
+    # Backward: dV, dP, dQ, dK (the recomputed S not counted, as torch counts the SDPA backward).
+    assert counter.get_total_flops() == 4 * valid * heads * (d + dv)
 
 
 def test_block_attention_compiles_without_graph_breaks():

@@ -122,38 +122,47 @@ def _backward(ctx, grad_out):
 _block_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _attended_keys(block_size: int, max_seq_len: int, causal: bool) -> float:
-    # An upper bound that treats every block as full; a causal query sees (w + 1) / 2 keys on average.
-    w = max(min(block_size, max_seq_len), 0)
-    return (w + 1) / 2 if causal else w
+def count_block_pairs(offsets: torch.Tensor, block_size: int, causal: bool) -> int:
+    """Number of (query, key) pairs that attend, summed over the batch (heads not counted).
+
+    A sequence of length ``n`` has ``n // block_size`` full blocks and one partial block of
+    ``n % block_size`` tokens; a block of ``w`` tokens has ``w * w`` pairs, ``w * (w + 1) / 2`` if causal.
+    Reads the offsets on the host (FLOP counting is not a hot path)."""
+    o = offsets.detach().to("cpu", torch.int64)
+    lengths = o[1:] - o[:-1]
+    full, rest = lengths // block_size, lengths % block_size
+
+    def pairs(w):
+        return w * (w + 1) // 2 if causal else w * w
+
+    return int((full * pairs(block_size) + pairs(rest)).sum())
 
 
-@register_flop_formula(torch.ops.gem_kernels.block_attention)
+def _pairs(q: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, block_size: int, causal: bool) -> int:
+    try:
+        return count_block_pairs(offsets, block_size, causal)
+    except RuntimeError:  # fake or meta tensors (tracing): an upper bound that treats every block as full
+        w = max(min(block_size, max_seq_len), 0)
+        return int(q.shape[0] * ((w + 1) / 2 if causal else w))
+
+
+# 2 FLOPs per multiply-add, over the valid (query, key) pairs of each block only.
+@register_flop_formula(torch.ops.gem_kernels.block_attention, get_raw=True)
 def _block_attention_flop(
-    q_shape, k_shape, v_shape, offsets_shape, max_seq_len, block_size, causal, *args, **kw
-):
-    total, heads, d = q_shape
-    # Two matmuls (QK^T and PV) of 2 FLOPs per multiply-add.
-    return int(2 * total * heads * _attended_keys(block_size, max_seq_len, causal) * (d + v_shape[2]))
+    q, k, v, offsets, max_seq_len, block_size, causal, *args, out_val=None, **kw
+) -> int:
+    """Forward: S = Q K^T and O = P V."""
+    pairs = _pairs(q, offsets, max_seq_len, block_size, causal)
+    return 2 * pairs * q.shape[1] * (q.shape[2] + v.shape[2])
 
 
-@register_flop_formula(torch.ops.gem_kernels.block_attention_backward)
+@register_flop_formula(torch.ops.gem_kernels.block_attention_backward, get_raw=True)
 def _block_attention_backward_flop(
-    grad_shape,
-    q_shape,
-    k_shape,
-    v_shape,
-    out_shape_,
-    offsets_shape,
-    max_seq_len,
-    block_size,
-    causal,
-    *args,
-    **kw,
-):
-    total, heads, d = q_shape
-    # Four matmuls (dV, dP, dQ, dK), as torch counts the SDPA backward; the recomputed S is not counted.
-    return int(4 * total * heads * _attended_keys(block_size, max_seq_len, causal) * (d + v_shape[2]))
+    grad_out, q, k, v, out, offsets, max_seq_len, block_size, causal, *args, out_val=None, **kw
+) -> int:
+    """Backward: dV, dP, dQ, dK, as torch counts the SDPA backward; the recomputed S is not counted."""
+    pairs = _pairs(q, offsets, max_seq_len, block_size, causal)
+    return 4 * pairs * q.shape[1] * (q.shape[2] + v.shape[2])
 
 
 def block_attention(
