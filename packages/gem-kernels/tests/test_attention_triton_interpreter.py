@@ -13,16 +13,14 @@ and the three gradients.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
+# Run by the ``interpreter_results`` fixture (conftest.py) under TRITON_INTERPRET=1.
+DRIVER_TIMEOUT_S = 900
 DRIVER = Path(__file__).with_name("attention_interpreter_cases.py")
 # Relative Frobenius error allowed: a few times the error of the reference run in the same dtype (which
 # computes in fp32 and rounds once at the end), plus a floor of a few ulps. The kernels round P and dS to
@@ -31,20 +29,10 @@ FACTOR = 4.0
 FLOOR = {"torch.float32": 1e-6, "torch.float16": 2e-4}
 
 
-@pytest.fixture(scope="module")
-def results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER)], env=env, capture_output=True, text=True, timeout=900, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.split("JSON:", 1)[1])
-
-
-def test_interpreter_cases_match_reference(results):
-    assert len(results) >= 69
+def test_interpreter_cases_match_reference(interpreter_results):
+    assert len(interpreter_results) >= 69
     bad = []
-    for r in results:
+    for r in interpreter_results:
         for what, err, ref in zip(("out", "dq", "dk", "dv"), r["err"], r["ref_err"]):
             bound = FACTOR * ref + FLOOR[r["dtype"]]
             if not err <= bound:
@@ -52,8 +40,10 @@ def test_interpreter_cases_match_reference(results):
     assert not bad, "\n".join(bad)
 
 
-def test_interpreter_outputs_finite_and_empty_rows_zero(results):
-    assert all(r["finite"] for r in results), [r["name"] for r in results if not r["finite"]]
-    assert all(r["empty_rows_zero"] for r in results), [
-        r["name"] for r in results if not r["empty_rows_zero"]
+def test_interpreter_outputs_finite_and_empty_rows_zero(interpreter_results):
+    assert all(r["finite"] for r in interpreter_results), [
+        r["name"] for r in interpreter_results if not r["finite"]
+    ]
+    assert all(r["empty_rows_zero"] for r in interpreter_results), [
+        r["name"] for r in interpreter_results if not r["empty_rows_zero"]
     ]

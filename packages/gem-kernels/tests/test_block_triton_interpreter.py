@@ -10,16 +10,14 @@ before triton is imported; this module checks what it reports. Covered: block si
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
+# Run by the ``interpreter_results`` fixture (conftest.py) under TRITON_INTERPRET=1.
+DRIVER_TIMEOUT_S = 600
 DRIVER = Path(__file__).with_name("block_interpreter_cases.py")
 # Relative Frobenius error allowed: twice the error of the reference path run in the same dtype (it
 # computes in fp32 and rounds once), plus a floor of a few ulps. The kernels round the rotated q/k, P and
@@ -29,20 +27,10 @@ FACTOR = 2.0
 FLOOR = {"torch.float32": 1e-6, "torch.float16": 2e-4}
 
 
-@pytest.fixture(scope="module")
-def results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER)], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.split("JSON:", 1)[1])
-
-
-def test_kernels_match_reference(results):
-    assert len(results) >= 53
+def test_kernels_match_reference(interpreter_results):
+    assert len(interpreter_results) >= 53
     bad = []
-    for r in results:
+    for r in interpreter_results:
         for i, (err, ref) in enumerate(zip(r["err"], r["ref_err"])):
             bound = FACTOR * ref + FLOOR[r["dtype"]]
             if not err <= bound:
@@ -50,7 +38,7 @@ def test_kernels_match_reference(results):
     assert not bad, "\n".join(bad)
 
 
-def test_kernels_ran_and_outputs_are_finite(results):
+def test_kernels_ran_and_outputs_are_finite(interpreter_results):
     expected = {
         "block": {"block_attention_fwd": 1, "block_attention_bwd": 1},
         "rotary": {"rotary_triton": 2},
@@ -58,6 +46,6 @@ def test_kernels_ran_and_outputs_are_finite(results):
         "padded_to_jagged": {"jagged_to_padded_triton": 1, "padded_to_jagged_triton": 1},
         "jagged_mean": {"jagged_mean_triton": 1},
     }
-    for r in results:
+    for r in interpreter_results:
         assert r["launches"] == expected[r["name"].split()[0]], r["name"]
         assert r["finite"] and r["dtypes_ok"], r["name"]
