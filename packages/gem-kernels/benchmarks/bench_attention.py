@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton.testing
+from common import copy_rate
 
 from gem_kernels import gdpa, jagged_flash_attention
 from gem_kernels.attention import reference
@@ -89,10 +90,8 @@ def peak_mem_gb(fn) -> float:
 
 def copy_rate_tbs() -> float:
     """HBM copy rate, bytes read + written per second, of a 2 GiB device-to-device copy."""
-    src = torch.empty(1 << (30 if DEV == "cuda" else 20), dtype=torch.bfloat16, device=DEV).normal_()
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
+    ms, nbytes = copy_rate(DEV, 1 << (30 if DEV == "cuda" else 20), bench)
+    return nbytes / (ms * 1e-3) / 1e12
 
 
 # ------------------------------------------------------------------------------------------ ours

@@ -20,15 +20,13 @@ benchmark); ``--quick`` stops after our kernels and the unfused rotary rows.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import statistics
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
+from common import add_batch_args, add_run_args, copy_rate, timeit, uniform_lengths, write_results
 
 import gem_kernels
 import gem_kernels.block_triton as bt
@@ -40,27 +38,6 @@ from gem_kernels.block_reference import (
 )
 
 ROWS: list[dict] = []
-
-
-def timeit(fn, iters: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on the GPU, wall clock on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    cuda = torch.cuda.is_available()
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def record(
@@ -99,10 +76,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def make_batch(args, device):
     g = torch.Generator(device="cpu").manual_seed(0)
-    low = round(args.max_len * (2 * args.valid - 1))
-    lengths = torch.randint(low, args.max_len + 1, (args.batch,), generator=g)
-    offsets = torch.zeros(args.batch + 1, dtype=torch.int32)
-    offsets[1:] = lengths.cumsum(0)
+    lengths, offsets = uniform_lengths(args.batch, args.max_len, args.valid, g, torch.int32)
     total = int(offsets[-1])
     h, d = args.heads, args.dim
     q, k, v, do = (torch.randn(total, h, d, generator=g).to(device, torch.bfloat16) for _ in range(4))
@@ -153,20 +127,13 @@ def fwd_bwd(fn, inputs, do):
     return step
 
 
-def copy_rate(device: str, iters: int) -> tuple[float, int]:
-    """Milliseconds and bytes (read + written) of a large device-to-device copy."""
-    x = torch.empty(ARGS.copy_mib * 2**20 // 2, dtype=torch.bfloat16, device=device).normal_()
-    y = torch.empty_like(x)
-    return timeit(lambda: y.copy_(x), iters), 2 * x.numel() * 2
-
-
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     iters = ARGS.iters
     torch.manual_seed(0)
 
     # HBM copy rate: a large device-to-device copy, bytes read + written.
-    ms, copy_bytes = copy_rate(device, iters)
+    ms, copy_bytes = copy_rate(device, ARGS.copy_mib * 2**20 // 2, lambda fn: timeit(fn, iters))
     copy_tbs = copy_bytes / ms / 1e9
     record("HBM copy (read+write)", ms, copy_bytes, note=f"{ARGS.copy_mib} MiB")
 
@@ -341,25 +308,16 @@ def main() -> None:
 
 
 def finish(copy_tbs: float, total: int) -> None:
-    if ARGS.out:
-        with open(ARGS.out, "w") as f:
-            json.dump({"rows": ROWS, "copy_TBs": copy_tbs, "tokens": total, "args": vars(ARGS)}, f, indent=1)
+    write_results(ARGS.out, ROWS, copy_tbs, total, ARGS)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=1152)
-    parser.add_argument("--max-len", type=int, default=2000)
-    parser.add_argument("--valid", type=float, default=0.7, help="mean length / max length")
+    add_batch_args(parser)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--copy-mib", type=int, default=4096)
-    parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke test)")
     parser.add_argument("--quick", action="store_true", help="our kernels and the unfused rotary only")
-    parser.add_argument(
-        "--out", default=os.path.join(os.environ.get("OUT", "."), "bench_block_attention.json")
-    )
+    add_run_args(parser, "bench_block_attention.json")
     ARGS = parser.parse_args()
     if ARGS.small:
         ARGS.batch, ARGS.max_len, ARGS.heads, ARGS.dim, ARGS.iters, ARGS.copy_mib = 3, 130, 2, 32, 1, 1

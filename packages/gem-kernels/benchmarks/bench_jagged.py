@@ -13,12 +13,9 @@ B*k rows. The plain-indexing baselines get their token indices precomputed (not 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import time
 
 import torch
+from common import add_batch_args, add_run_args, copy_rate, timeit, uniform_lengths, write_results
 
 from gem_kernels import (
     jagged_concat,
@@ -33,26 +30,6 @@ from gem_kernels import (
 ROWS: list[dict] = []
 
 
-def timeit(fn, iters: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on the GPU, wall clock on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def record(case: str, ms: float, nbytes: float, copy_tbs: float | None) -> None:
     tbs = nbytes / ms / 1e9
     pct = 100 * tbs / copy_tbs if copy_tbs else float("nan")
@@ -60,26 +37,16 @@ def record(case: str, ms: float, nbytes: float, copy_tbs: float | None) -> None:
     print(f"{case:52s} {ms:9.3f} ms {tbs:6.2f} TB/s ({pct:4.0f}% copy)", flush=True)
 
 
-def copy_rate(device: str, iters: int) -> tuple[float, int]:
-    """Milliseconds and bytes (read + written) of a large device-to-device copy."""
-    x = torch.empty(ARGS.copy_mib * 2**20 // 2, dtype=torch.bfloat16, device=device).normal_()
-    y = torch.empty_like(x)
-    return timeit(lambda: y.copy_(x), iters), 2 * x.numel() * 2
-
-
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     iters = ARGS.iters
-    ms, copy_bytes = copy_rate(device, iters)
+    ms, copy_bytes = copy_rate(device, ARGS.copy_mib * 2**20 // 2, lambda fn: timeit(fn, iters))
     copy_tbs = copy_bytes / ms / 1e9
     record("HBM copy (read+write)", ms, copy_bytes, None)
 
     g = torch.Generator().manual_seed(0)
     batch, max_len, feat = ARGS.batch, ARGS.max_len, ARGS.feat
-    low = round(max_len * (2 * ARGS.valid - 1))
-    lengths = torch.randint(low, max_len + 1, (batch,), generator=g)
-    offsets = torch.zeros(batch + 1, dtype=torch.int64)
-    offsets[1:] = lengths.cumsum(0)
+    lengths, offsets = uniform_lengths(batch, max_len, ARGS.valid, g, torch.int64)
     total = int(offsets[-1])
     offsets = offsets.to(device)
     values = torch.randn(total, feat, generator=g).to(device, torch.bfloat16)
@@ -126,21 +93,14 @@ def main() -> None:
     t = timeit(lambda: jagged_last_k(values, offsets, 64), iters)
     record("jagged_last_k k=64", t, 2 * batch * 64 * row, copy_tbs)
 
-    if ARGS.out:
-        with open(ARGS.out, "w") as f:
-            json.dump({"rows": ROWS, "copy_TBs": copy_tbs, "tokens": total, "args": vars(ARGS)}, f, indent=1)
+    write_results(ARGS.out, ROWS, copy_tbs, total, ARGS)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=1152)
-    parser.add_argument("--max-len", type=int, default=2000)
-    parser.add_argument("--valid", type=float, default=0.7)
+    add_batch_args(parser)
     parser.add_argument("--feat", type=int, default=512)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--copy-mib", type=int, default=4096)
-    parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke test)")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_jagged.json"))
+    add_run_args(parser, "bench_jagged.json")
     ARGS = parser.parse_args()
     if ARGS.small:
         ARGS.batch, ARGS.max_len, ARGS.feat, ARGS.iters, ARGS.copy_mib = 3, 70, 8, 1, 1
