@@ -531,6 +531,9 @@ class Trainer:
                     status = "stopped"
                 elif self._should_stop():
                     status = "interrupted"
+        except BaseException:
+            self.logger.close()  # keep what was logged readable (TensorBoard flushes on close)
+            raise
         finally:
             bar.close()
             for s, h in old_handlers.items():
