@@ -137,23 +137,7 @@ def _attention_bwd(
 
 
 @_attention_bwd.register_fake
-def _attention_bwd_fake(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    q_offsets,
-    kv_offsets,
-    max_q_len,
-    max_kv_len,
-    activation,
-    left,
-    right,
-    qk_scale,
-    out_scale,
-):
+def _attention_bwd_fake(dout, q, k, v, *_):
     # Contiguous whatever the inputs' strides, as both implementations return.
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -185,61 +169,27 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------------------------------
 
 
-def _pairs(q, q_offsets, kv_offsets, max_kv_len, left, right) -> int:
+def _flops(factor, q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, left, right, *_) -> int:
+    """``factor * pairs * H * (D + Dv)`` for the forward op's arguments: factor 2 for one product with
+    ``D`` and one with ``Dv`` per pair and head (2 flops per multiply-add), 4 for two of each."""
     try:
-        return reference.count_valid_pairs(q_offsets, kv_offsets, left, right)
+        pairs = reference.count_valid_pairs(q_offsets, kv_offsets, left, right)
     except Exception:  # fake tensors (tracing): an upper bound, every query against max_kv_len keys
-        return int(q.shape[0]) * int(max_kv_len)
+        pairs = int(q.shape[0]) * int(max_kv_len)
+    return factor * pairs * q.shape[1] * (q.shape[2] + v.shape[2])
 
 
 @register_flop_formula(torch.ops.gem_kernels.jagged_attention_fwd, get_raw=True)
-def _attention_fwd_flops(
-    q,
-    k,
-    v,
-    q_offsets,
-    kv_offsets,
-    max_q_len,
-    max_kv_len,
-    activation,
-    left,
-    right,
-    qk_scale,
-    out_scale,
-    *args,
-    out_val=None,
-    **kwargs,
-) -> int:
+def _attention_fwd_flops(*args, out_val=None, **kwargs) -> int:
     """Forward: S = Q K^T and O = P V over the valid pairs."""
-    pairs = _pairs(q, q_offsets, kv_offsets, max_kv_len, left, right)
-    return 2 * pairs * q.shape[1] * (q.shape[2] + v.shape[2])
+    return _flops(2, *args)
 
 
 @register_flop_formula(torch.ops.gem_kernels.jagged_attention_bwd, get_raw=True)
-def _attention_bwd_flops(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    q_offsets,
-    kv_offsets,
-    max_q_len,
-    max_kv_len,
-    activation,
-    left,
-    right,
-    qk_scale,
-    out_scale,
-    *args,
-    out_val=None,
-    **kwargs,
-) -> int:
+def _attention_bwd_flops(dout, q, k, v, out, lse, *fwd_args, out_val=None, **kwargs) -> int:
     """Backward: dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q (the recomputation of S not counted,
     the convention of torch's own SDPA formulas)."""
-    pairs = _pairs(q, q_offsets, kv_offsets, max_kv_len, left, right)
-    return 4 * pairs * q.shape[1] * (q.shape[2] + v.shape[2])
+    return _flops(4, q, k, v, *fwd_args)
 
 
 # --------------------------------------------------------------------------------------------------
