@@ -13,7 +13,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.attention.triton_common import LOG2E, _act_and_grad, _band_ranges
+from gem_kernels.attention.triton_common import (
+    LOG2E,
+    _act_and_grad,
+    _band_ranges,
+    _load_rows,
+    _seq_bounds,
+    _store_rows,
+)
 
 
 @triton.jit
@@ -63,22 +70,17 @@ def _dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets,
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = pid_bh // n_heads
     h = pid_bh % n_heads
-    q_start = tl.load(q_offsets + b).to(tl.int64)
-    len_q = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+    q_start, len_q = _seq_bounds(q_offsets, b)
     if start_m < len_q:
-        kv_start = tl.load(kv_offsets + b).to(tl.int64)
-        len_kv = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+        kv_start, len_kv = _seq_bounds(kv_offsets, b)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         row_ok = offs_m < len_q
-        q_rows = (q_start + offs_m[:, None]) * stride_qt + h * stride_qh
-        o_rows = (q_start + offs_m[:, None]) * stride_ot + h * stride_oh
-        q = tl.load(Q + q_rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        do_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
-        do = tl.load(DO + o_rows + offs_dv[None, :], mask=do_mask, other=0.0)
+        q = _load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
+        do = _load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
         if ACT == 0:
-            o = tl.load(Out + o_rows + offs_dv[None, :], mask=do_mask, other=0.0)
+            o = _load_rows(Out, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
             delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
             tl.store(DELTA + (q_start + offs_m) * n_heads + h, delta, mask=row_ok)
             lse = tl.load(LSE + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
@@ -106,9 +108,7 @@ def _dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets,
             dq = dq * qk_scale
         else:
             dq = dq * (qk_scale * out_scale)
-        dq_ptrs = DQ + (q_start + offs_m[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_d[None, :] < D))
+        _store_rows(DQ, dq, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
 
 
 @triton.jit
@@ -165,19 +165,15 @@ def _dkdv_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets,
     start_n = tl.program_id(1) * BLOCK_N
     b = pid_bh // n_heads
     h = pid_bh % n_heads
-    kv_start = tl.load(kv_offsets + b).to(tl.int64)
-    len_kv = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    kv_start, len_kv = _seq_bounds(kv_offsets, b)
     if start_n < len_kv:
-        q_start = tl.load(q_offsets + b).to(tl.int64)
-        len_q = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+        q_start, len_q = _seq_bounds(q_offsets, b)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         col_ok = offs_n < len_kv
-        k_rows = (kv_start + offs_n[:, None]) * stride_kt + h * stride_kh
-        v_rows = (kv_start + offs_n[:, None]) * stride_vt + h * stride_vh
-        k = tl.load(K + k_rows + offs_d[None, :], mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(V + v_rows + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        k = _load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
+        v = _load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
         if ACT == 0:
             s_scale = qk_scale * LOG2E
         else:
@@ -201,9 +197,5 @@ def _dkdv_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets,
         else:
             dk = dk * (qk_scale * out_scale)
             dv = dv * out_scale
-        dk_ptrs = DK + (kv_start + offs_n[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty),
-                 mask=col_ok[:, None] & (offs_d[None, :] < D))
-        dv_ptrs = DV_ + (kv_start + offs_n[:, None]) * (n_heads * DV) + h * DV + offs_dv[None, :]
-        tl.store(dv_ptrs, dv.to(DV_.dtype.element_ty),
-                 mask=col_ok[:, None] & (offs_dv[None, :] < DV))
+        _store_rows(DK, dk, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
+        _store_rows(DV_, dv, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)

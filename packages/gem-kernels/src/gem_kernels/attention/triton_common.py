@@ -102,3 +102,25 @@ def _band_ranges(start, len_inner, lo_dist, hi_dist, BLOCK_OUTER: tl.constexpr, 
     full_lo = tl.minimum(full_lo, tl.maximum(hi, lo))
     full_hi = tl.maximum(full_end // BLOCK_INNER * BLOCK_INNER, full_lo)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _seq_bounds(offsets, b):
+    """(first row int64, length int32) of sequence ``b`` of ``offsets`` ``[B+1]``."""
+    start = tl.load(offsets + b).to(tl.int64)
+    return start, (tl.load(offsets + b + 1) - start).to(tl.int32)
+
+
+@triton.jit
+def _load_rows(X, start, offs, ok, h, stride_t, stride_h, offs_d, D: tl.constexpr):
+    """Tile ``[len(offs), len(offs_d)]`` of head ``h``, rows ``start + offs`` of ``X``; 0 where ``ok`` is
+    false or the column is ``>= D``."""
+    rows = (start + offs[:, None]) * stride_t + h * stride_h
+    return tl.load(X + rows + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _store_rows(X, x, start, offs, ok, h, stride_t, stride_h, offs_d, D: tl.constexpr):
+    """Stores the tile ``x`` (rounded to X's dtype) where :func:`_load_rows` would read it."""
+    ptrs = X + (start + offs[:, None]) * stride_t + h * stride_h + offs_d[None, :]
+    tl.store(ptrs, x.to(X.dtype.element_ty), mask=ok[:, None] & (offs_d[None, :] < D))

@@ -8,7 +8,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.attention.triton_common import LN2, LOG2E, _act, _band_ranges
+from gem_kernels.attention.triton_common import (
+    LN2,
+    LOG2E,
+    _act,
+    _band_ranges,
+    _load_rows,
+    _seq_bounds,
+    _store_rows,
+)
 
 
 @triton.jit
@@ -66,17 +74,14 @@ def _fwd_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets,
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = pid_bh // n_heads
     h = pid_bh % n_heads
-    q_start = tl.load(q_offsets + b).to(tl.int64)
-    len_q = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+    q_start, len_q = _seq_bounds(q_offsets, b)
     if start_m < len_q:
-        kv_start = tl.load(kv_offsets + b).to(tl.int64)
-        len_kv = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+        kv_start, len_kv = _seq_bounds(kv_offsets, b)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         row_ok = offs_m < len_q
-        q_ptrs = Q + (q_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        q = _load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
         k_row0 = kv_start * stride_kt + h * stride_kh
         v_row0 = kv_start * stride_vt + h * stride_vh
         if ACT == 0:
@@ -102,5 +107,4 @@ def _fwd_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets,
             tl.store(LSE + (q_start + offs_m) * n_heads + h, lse, mask=row_ok)
         else:
             acc = acc * out_scale
-        o_ptrs = Out + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :]
-        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+        _store_rows(Out, acc, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)

@@ -23,7 +23,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.attention.triton_common import LN2, LOG2E, _act, _act_and_grad
+from gem_kernels.attention.triton_common import (
+    LN2,
+    LOG2E,
+    _act,
+    _act_and_grad,
+    _load_rows,
+    _seq_bounds,
+    _store_rows,
+)
 
 
 @triton.jit
@@ -45,18 +53,15 @@ def _fwd_short_kv_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets,
     pid = tl.program_id(0)
     b = pid // n_heads
     h = pid % n_heads
-    q_start = tl.load(q_offsets + b).to(tl.int64)
-    len_q = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
-    kv_start = tl.load(kv_offsets + b).to(tl.int64)
-    len_kv = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    q_start, len_q = _seq_bounds(q_offsets, b)
+    kv_start, len_kv = _seq_bounds(kv_offsets, b)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < len_kv
     kt = tl.load(K + (kv_start + offs_n[None, :]) * stride_kt + h * stride_kh + offs_d[:, None],
                  mask=col_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BD, BN]
-    v = tl.load(V + (kv_start + offs_n[:, None]) * stride_vt + h * stride_vh + offs_dv[None, :],
-                mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BN, BDV]
+    v = _load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)  # [BN, BDV]
     if ACT == 0:
         s_scale = qk_scale * LOG2E
     else:
@@ -64,8 +69,7 @@ def _fwd_short_kv_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets,
     for start_m in range(0, len_q, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < len_q
-        q = tl.load(Q + (q_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        q = _load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
         s = tl.dot(q, kt, input_precision=PRECISION) * s_scale  # [BM, BN]
         visible = _visible(offs_m, offs_n, len_q, len_kv, left, right)
         if ACT == 0:
@@ -81,8 +85,7 @@ def _fwd_short_kv_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets,
         else:
             p = tl.where(visible, _act(s, ACT, FAST_ACT), 0.0)
             o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) * out_scale
-        tl.store(Out + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
-                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+        _store_rows(Out, o, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
 
 
 @triton.jit
@@ -103,8 +106,7 @@ def _row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, str
                DV: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr):
     """Softmax: (lse in base 2, +inf for rows without keys; delta = rowsum(dO * O)). GDPA: zeros."""
     if ACT == 0:
-        o = tl.load(Out + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
-                    mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        o = _load_rows(Out, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         lse = tl.load(LSE + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
@@ -126,18 +128,14 @@ def _bwd_short_kv_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offse
     pid = tl.program_id(0)
     b = pid // n_heads
     h = pid % n_heads
-    q_start = tl.load(q_offsets + b).to(tl.int64)
-    len_q = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
-    kv_start = tl.load(kv_offsets + b).to(tl.int64)
-    len_kv = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    q_start, len_q = _seq_bounds(q_offsets, b)
+    kv_start, len_kv = _seq_bounds(kv_offsets, b)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < len_kv
-    k_rows = (kv_start + offs_n[:, None]) * stride_kt + h * stride_kh
-    v_rows = (kv_start + offs_n[:, None]) * stride_vt + h * stride_vh
-    k = tl.load(K + k_rows + offs_d[None, :], mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    v = tl.load(V + v_rows + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    k = _load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
+    v = _load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
     if ACT == 0:
         s_scale = qk_scale * LOG2E
         g_scale = qk_scale
@@ -151,10 +149,8 @@ def _bwd_short_kv_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offse
     for start_m in range(0, len_q, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < len_q
-        q_rows = (q_start + offs_m[:, None]) * stride_qt + h * stride_qh
-        q = tl.load(Q + q_rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        do = tl.load(DO + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        q = _load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
+        do = _load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
         lse2, delta = _row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
                                  offs_dv, DV, ACT, BLOCK_M)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
@@ -162,17 +158,11 @@ def _bwd_short_kv_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offse
         visible = _visible(offs_m, offs_n, len_q, len_kv, left, right)
         p, ds = _probs_and_dscores(s, dp, lse2, delta, visible, ACT, FAST_ACT)
         dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * g_scale
-        dq_ptrs = DQ + (q_start + offs_m[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_d[None, :] < D))
+        _store_rows(DQ, dq, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
         dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=PRECISION)
         dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
-    dk_ptrs = DK + (kv_start + offs_n[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
-    tl.store(dk_ptrs, (dk * g_scale).to(DK.dtype.element_ty),
-             mask=col_ok[:, None] & (offs_d[None, :] < D))
-    dv_ptrs = DV_ + (kv_start + offs_n[:, None]) * (n_heads * DV) + h * DV + offs_dv[None, :]
-    tl.store(dv_ptrs, (dv * v_scale).to(DV_.dtype.element_ty),
-             mask=col_ok[:, None] & (offs_dv[None, :] < DV))
+    _store_rows(DK, dk * g_scale, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
+    _store_rows(DV_, dv * v_scale, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
 
 
 @triton.jit
@@ -186,18 +176,14 @@ def _bwd_few_q_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets,
     pid = tl.program_id(0)
     b = pid // n_heads
     h = pid % n_heads
-    q_start = tl.load(q_offsets + b).to(tl.int64)
-    len_q = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
-    kv_start = tl.load(kv_offsets + b).to(tl.int64)
-    len_kv = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    q_start, len_q = _seq_bounds(q_offsets, b)
+    kv_start, len_kv = _seq_bounds(kv_offsets, b)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < len_q
-    q_rows = (q_start + offs_m[:, None]) * stride_qt + h * stride_qh
-    q = tl.load(Q + q_rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(DO + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    q = _load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
+    do = _load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
     lse2, delta = _row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
                              offs_dv, DV, ACT, BLOCK_M)
     if ACT == 0:
@@ -212,10 +198,8 @@ def _bwd_few_q_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets,
     for start_n in range(0, len_kv, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < len_kv
-        k_rows = (kv_start + offs_n[:, None]) * stride_kt + h * stride_kh
-        v_rows = (kv_start + offs_n[:, None]) * stride_vt + h * stride_vh
-        k = tl.load(K + k_rows + offs_d[None, :], mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(V + v_rows + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        k = _load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
+        v = _load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BM, BN]
         visible = _visible(offs_m, offs_n, len_q, len_kv, left, right)
@@ -223,12 +207,6 @@ def _bwd_few_q_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets,
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
         dv = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION) * v_scale  # [BN, BDV]
         dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * g_scale  # [BN, BD]
-        dk_ptrs = DK + (kv_start + offs_n[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty),
-                 mask=col_ok[:, None] & (offs_d[None, :] < D))
-        dv_ptrs = DV_ + (kv_start + offs_n[:, None]) * (n_heads * DV) + h * DV + offs_dv[None, :]
-        tl.store(dv_ptrs, dv.to(DV_.dtype.element_ty),
-                 mask=col_ok[:, None] & (offs_dv[None, :] < DV))
-    dq_ptrs = DQ + (q_start + offs_m[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
-    tl.store(dq_ptrs, (dq * g_scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_d[None, :] < D))
+        _store_rows(DK, dk, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
+        _store_rows(DV_, dv, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
+    _store_rows(DQ, dq * g_scale, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
