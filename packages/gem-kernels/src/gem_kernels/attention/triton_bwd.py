@@ -18,8 +18,10 @@ from gem_kernels.attention.triton_common import (
     _act_and_grad,
     _band_ranges,
     _load_rows,
+    _row_stats,
     _seq_bounds,
     _store_rows,
+    _visible_keys,
 )
 
 
@@ -49,10 +51,7 @@ def _dq_tiles(dq, q, do, lse2, delta, K, V, k_row0, v_row0, stride_kt, stride_vt
             _, da = _act_and_grad(s, ACT, FAST_ACT)
             ds = dp * da
         if MASK:
-            visible = ((offs_n[None, :] < len_kv)
-                       & (offs_n[None, :] >= offs_m[:, None] - left)
-                       & (offs_n[None, :] <= offs_m[:, None] + right))
-            ds = tl.where(visible, ds, 0.0)
+            ds = tl.where(_visible_keys(offs_m, offs_n, len_kv, left, right), ds, 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
@@ -79,17 +78,13 @@ def _dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets,
         row_ok = offs_m < len_q
         q = _load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
         do = _load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
+        # Rows with no visible key (lse = -inf) get lse2 = +inf, hence p = 0 instead of inf.
+        lse2, delta = _row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
+                                 offs_dv, DV, ACT, BLOCK_M)
         if ACT == 0:
-            o = _load_rows(Out, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
-            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
             tl.store(DELTA + (q_start + offs_m) * n_heads + h, delta, mask=row_ok)
-            lse = tl.load(LSE + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
-            # Rows with no visible key (lse = -inf) get p = 0 instead of inf.
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
             s_scale = qk_scale * LOG2E
         else:
-            delta = tl.zeros([BLOCK_M], dtype=tl.float32)
-            lse2 = delta
             s_scale = qk_scale
         k_row0 = kv_start * stride_kt + h * stride_kh
         v_row0 = kv_start * stride_vt + h * stride_vh

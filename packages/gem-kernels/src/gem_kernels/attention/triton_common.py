@@ -124,3 +124,48 @@ def _store_rows(X, x, start, offs, ok, h, stride_t, stride_h, offs_d, D: tl.cons
     """Stores the tile ``x`` (rounded to X's dtype) where :func:`_load_rows` would read it."""
     ptrs = X + (start + offs[:, None]) * stride_t + h * stride_h + offs_d[None, :]
     tl.store(ptrs, x.to(X.dtype.element_ty), mask=ok[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _visible_keys(offs_m, offs_n, len_kv, left, right):
+    """Bool ``[BM, BN]``: key ``offs_n`` exists and lies in the band of query ``offs_m``."""
+    return (
+        (offs_n[None, :] < len_kv)
+        & (offs_n[None, :] >= offs_m[:, None] - left)
+        & (offs_n[None, :] <= offs_m[:, None] + right)
+    )
+
+
+@triton.jit
+def _visible(offs_m, offs_n, len_q, len_kv, left, right):
+    """Bool ``[BM, BN]``: query ``offs_m`` exists and sees key ``offs_n``."""
+    return (offs_m[:, None] < len_q) & _visible_keys(offs_m, offs_n, len_kv, left, right)
+
+
+@triton.jit
+def _row_stats(
+    Out,
+    LSE,
+    do,
+    q_start,
+    offs_m,
+    row_ok,
+    h,
+    n_heads,
+    stride_ot,
+    stride_oh,
+    offs_dv,
+    DV: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Softmax: (lse in base 2, +inf for rows without keys; delta = rowsum(dO * O)). GDPA: zeros."""
+    if ACT == 0:
+        o = _load_rows(Out, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        lse = tl.load(LSE + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    else:
+        delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+        lse2 = delta
+    return lse2, delta

@@ -16,6 +16,7 @@ from gem_kernels.attention.triton_common import (
     _load_rows,
     _seq_bounds,
     _store_rows,
+    _visible_keys,
 )
 
 
@@ -38,9 +39,7 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, k_row0, v_row0, stride_kt, stride_vt, off
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BM, BN] fp32
         if MASK:
-            visible = ((offs_n[None, :] < len_kv)
-                       & (offs_n[None, :] >= offs_m[:, None] - left)
-                       & (offs_n[None, :] <= offs_m[:, None] + right))
+            visible = _visible_keys(offs_m, offs_n, len_kv, left, right)
         if ACT == 0:
             if MASK:
                 s = tl.where(visible, s, float("-inf"))

@@ -29,16 +29,11 @@ from gem_kernels.attention.triton_common import (
     _act,
     _act_and_grad,
     _load_rows,
+    _row_stats,
     _seq_bounds,
     _store_rows,
+    _visible,
 )
-
-
-@triton.jit
-def _visible(offs_m, offs_n, len_q, len_kv, left, right):
-    """Bool ``[BM, BN]``: query ``offs_m`` sees key ``offs_n``."""
-    return ((offs_m[:, None] < len_q) & (offs_n[None, :] < len_kv)
-            & (offs_n[None, :] >= offs_m[:, None] - left) & (offs_n[None, :] <= offs_m[:, None] + right))
 
 
 @triton.jit
@@ -99,21 +94,6 @@ def _probs_and_dscores(s, dp, lse2, delta, visible, ACT: tl.constexpr, FAST_ACT:
         p = tl.where(visible, a, 0.0)
         ds = tl.where(visible, dp * da, 0.0)
     return p, ds
-
-
-@triton.jit
-def _row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh, offs_dv,
-               DV: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Softmax: (lse in base 2, +inf for rows without keys; delta = rowsum(dO * O)). GDPA: zeros."""
-    if ACT == 0:
-        o = _load_rows(Out, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        lse = tl.load(LSE + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    else:
-        delta = tl.zeros([BLOCK_M], dtype=tl.float32)
-        lse2 = delta
-    return lse2, delta
 
 
 @triton.jit
