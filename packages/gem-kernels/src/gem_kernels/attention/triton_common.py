@@ -1,4 +1,5 @@
-"""Shared Triton helpers of the jagged attention kernels: activations and the band of visible tiles.
+"""Shared Triton helpers of the jagged attention kernels: activations, the band of visible tiles and keys,
+sequence bounds, loads and stores of per-head row tiles, and the softmax row statistics of the backward.
 
 Layout: q/o/do/dq ``[total_q, H, *]``, k/v/dk/dv ``[total_kv, H, *]``, rows of one head ``stride_t`` apart;
 ``lse``/``delta`` ``[total_q, H]`` fp32. Inputs may be strided views (unit stride in the last dim); outputs

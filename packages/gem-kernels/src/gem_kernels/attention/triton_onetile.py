@@ -97,6 +97,20 @@ def _probs_and_dscores(s, dp, lse2, delta, visible, ACT: tl.constexpr, FAST_ACT:
 
 
 @triton.jit
+def _bwd_scales(qk_scale, out_scale, ACT: tl.constexpr):
+    """Scales of the scores (base 2 for softmax), of dQ and dK, and of dV."""
+    if ACT == 0:
+        s_scale = qk_scale * LOG2E
+        g_scale = qk_scale
+        v_scale = 1.0
+    else:
+        s_scale = qk_scale
+        g_scale = qk_scale * out_scale
+        v_scale = out_scale
+    return s_scale, g_scale, v_scale
+
+
+@triton.jit
 def _bwd_short_kv_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                          stride_oh,
@@ -116,14 +130,7 @@ def _bwd_short_kv_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offse
     col_ok = offs_n < len_kv
     k = _load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
     v = _load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
-    if ACT == 0:
-        s_scale = qk_scale * LOG2E
-        g_scale = qk_scale
-        v_scale = 1.0
-    else:
-        s_scale = qk_scale
-        g_scale = qk_scale * out_scale
-        v_scale = out_scale
+    s_scale, g_scale, v_scale = _bwd_scales(qk_scale, out_scale, ACT)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for start_m in range(0, len_q, BLOCK_M):
@@ -166,14 +173,7 @@ def _bwd_few_q_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets,
     do = _load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
     lse2, delta = _row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
                              offs_dv, DV, ACT, BLOCK_M)
-    if ACT == 0:
-        s_scale = qk_scale * LOG2E
-        g_scale = qk_scale
-        v_scale = 1.0
-    else:
-        s_scale = qk_scale
-        g_scale = qk_scale * out_scale
-        v_scale = out_scale
+    s_scale, g_scale, v_scale = _bwd_scales(qk_scale, out_scale, ACT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(0, len_kv, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
