@@ -6,10 +6,10 @@ Two custom ops carry both families (softmax attention and GDPA):
   left, right, qk_scale, out_scale) -> (out, lse)``
 - ``gem_kernels::jagged_attention_bwd(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)``
 
-Each runs the Triton kernels when :func:`gem_kernels._dispatch.use_triton` says so and the per-sequence
-PyTorch reference otherwise. Both have fake implementations (so ``torch.compile`` traces through them
-without a graph break) and FLOP formulas (so ``torch.utils.flop_counter.FlopCounterMode`` counts them).
-Double backward is not supported.
+Each runs the Triton kernels when :func:`gem_kernels._dispatch.use_triton` says so and the vectorized
+PyTorch path (:mod:`.cpu`; :mod:`.reference` holds the per-sequence oracle) otherwise. Both have fake
+implementations (so ``torch.compile`` traces through them without a graph break) and FLOP formulas (so
+``torch.utils.flop_counter.FlopCounterMode`` counts them). Double backward is not supported.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from gem_kernels._checks import check_offsets, check_same, check_values
 from gem_kernels._dispatch import get_backend, use_triton
-from gem_kernels.attention import reference
+from gem_kernels.attention import cpu, reference
 from gem_kernels.attention.activations import canonical_activation
 
 # --------------------------------------------------------------------------------------------------
@@ -80,9 +80,7 @@ def _attention_fwd(
             qk_scale,
             out_scale,
         )
-    return reference.attention_fwd(
-        q, k, v, q_offsets, kv_offsets, activation, left, right, qk_scale, out_scale
-    )
+    return cpu.attention_fwd(q, k, v, q_offsets, kv_offsets, activation, left, right, qk_scale, out_scale)
 
 
 @_attention_fwd.register_fake
@@ -131,7 +129,7 @@ def _attention_bwd(
             qk_scale,
             out_scale,
         )
-    return reference.attention_bwd(
+    return cpu.attention_bwd(
         dout, q, k, v, q_offsets, kv_offsets, activation, left, right, qk_scale, out_scale
     )
 
