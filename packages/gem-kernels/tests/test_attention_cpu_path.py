@@ -1,0 +1,182 @@
+"""The vectorized CPU path of jagged attention (:mod:`gem_kernels.attention.cpu`) against the per-sequence
+oracle (:mod:`gem_kernels.attention.reference`): values, LSE and all three gradients, every activation and
+band, self and cross attention, ragged lengths with 0 and 1; gradcheck through the public functions; and a
+count of the Python-level iterations, which must not grow with the batch size.
+
+Tolerances: both paths compute the same products in the same dtype, only batched differently (padding adds
+exact zeros to the sums), so they differ only by the summation order of the matmul kernels: a few ulps of
+the compute dtype, amplified by at most the conditioning of the softmax. fp64: ||a-b||/||b|| < 1e-12
+(eps 2.2e-16, ~4 decades of margin); fp32: < 1e-5 (eps 1.2e-7, ~2 decades).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gem_kernels import gdpa, jagged_flash_attention
+from gem_kernels.attention import cpu, reference
+from gem_kernels.attention.activations import GDPA_ACTIVATIONS
+
+ACTS = ("softmax", *GDPA_ACTIVATIONS)
+# (left, right): none, causal, window, causal + window.
+BANDS = [(-1, -1), (-1, 0), (2, 1), (3, 0)]
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+# (q lengths, kv lengths); None = self-attention.
+CASES = [
+    ([0, 1, 5, 17, 0, 33, 2, 1], None),  # ragged self-attention with empty and length-1 sequences
+    ([1, 1, 1], None),
+    ([0, 0], None),  # nothing attends at all
+    ([40, 0, 23, 9, 1], [3, 5, 0, 2, 1]),  # long Q / short KV (cross)
+    ([1, 2, 0, 1, 4], [37, 64, 5, 0, 1]),  # few Q / long KV (PMA-like)
+]
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def _inputs(lq, lk, dtype, seed, h=2, d=8, dv=5):
+    g = torch.Generator().manual_seed(seed)
+    lk = lq if lk is None else lk
+    q = torch.randn(sum(lq), h, d, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(sum(lk), h, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(sum(lk), h, dv, generator=g, dtype=torch.float64).to(dtype)
+    dout = torch.randn(sum(lq), h, dv, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v, dout, _offsets(lq), _offsets(lk)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64 (0 when both are exactly 0, e.g. a batch where nothing attends)."""
+    diff = (a.double() - b.double()).norm()
+    ref = b.double().norm()
+    return float(diff / ref) if ref > 0 else float(diff)
+
+
+def _compare(lq, lk, act, band, dtype, seed):
+    q, k, v, dout, qo, ko = _inputs(lq, lk, dtype, seed)
+    args = (q, k, v, qo, ko, act, *band, 0.37, 0.61)
+    out, lse = cpu.attention_fwd(*args)
+    out_ref, lse_ref = reference.attention_fwd(*args)
+    grads = cpu.attention_bwd(dout, *args)
+    grads_ref = reference.attention_bwd(dout, *args)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_ref, *grads_ref), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert _rel(a, b) < TOL[dtype], (name, _rel(a, b))
+    assert lse.dtype == lse_ref.dtype == torch.float32 and lse.shape == lse_ref.shape
+    # Rows with no visible key have LSE -inf on both paths; the finite ones agree to fp32 rounding.
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    finite = torch.isfinite(lse_ref)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+@pytest.mark.parametrize("band", BANDS, ids=lambda b: f"l{b[0]}r{b[1]}")
+@pytest.mark.parametrize("act", ACTS)
+def test_matches_oracle(act, band, dtype):
+    for i, (lq, lk) in enumerate(CASES):
+        _compare(lq, lk, act, band, dtype, seed=1000 * ACTS.index(act) + 10 * BANDS.index(band) + i)
+
+
+@pytest.mark.parametrize("act", ("softmax", "silu"))
+def test_random_ragged_batches(act):
+    """Fresh random length mixes (log-normal, with zeros), self and cross."""
+    g = torch.Generator().manual_seed(2026)
+    for trial in range(6):
+        b = int(torch.randint(1, 40, (1,), generator=g))
+        lq = torch.exp(torch.randn(b, generator=g) * 1.2 + 1.5).long().clamp(max=70)
+        lq[torch.rand(b, generator=g) < 0.15] = 0
+        lk = None
+        if trial % 2:
+            lk = torch.exp(torch.randn(b, generator=g) * 1.2 + 1.5).long().clamp(max=70).tolist()
+        band = BANDS[trial % len(BANDS)]
+        _compare(lq.tolist(), lk, act, band, torch.float64, seed=trial)
+
+
+def test_split_by_score_budget(monkeypatch):
+    """A bucket larger than the score budget is split into chunks, with the same results."""
+    monkeypatch.setattr(cpu, "SCORE_BUDGET", 300)
+    calls = _count_groups(monkeypatch)
+    _compare([5, 6, 7, 8, 5, 6, 7, 8, 1], None, "softmax", (-1, 0), torch.float64, seed=3)
+    # Two buckets, in key order: length 1 (one chunk), then lengths 5..8: 8 sequences of padded
+    # H*8*8 = 128 scores, 300 // 128 = 2 per chunk. Forward then backward.
+    assert calls == [1, 2, 2, 2, 2] * 2
+
+
+def test_bf16_inputs_keep_dtype():
+    q, k, v, dout, qo, ko = _inputs([7, 0, 12], None, torch.bfloat16, seed=4)
+    args = (q, k, v, qo, ko, "gelu", -1, 0, 0.3, 0.5)
+    out, _ = cpu.attention_fwd(*args)
+    grads = cpu.attention_bwd(dout, *args)
+    out_ref, _ = reference.attention_fwd(*args)
+    grads_ref = reference.attention_bwd(dout, *args)
+    for a, b in zip((out, *grads), (out_ref, *grads_ref), strict=True):
+        assert a.dtype == torch.bfloat16
+        # Same fp32 compute; the outputs may differ by one bf16 rounding (2**-8 relative).
+        assert _rel(a, b) < 2**-7
+
+
+def _count_groups(monkeypatch) -> list[int]:
+    """Patch :func:`cpu._group` (called once per Python-level iteration) to record each group's size."""
+    calls: list[int] = []
+    real = cpu._group
+
+    def counting(members, *args, **kwargs):
+        calls.append(int(members.numel()))
+        return real(members, *args, **kwargs)
+
+    monkeypatch.setattr(cpu, "_group", counting)
+    return calls
+
+
+@pytest.mark.parametrize("cross", (False, True))
+def test_iterations_do_not_grow_with_batch(monkeypatch, cross):
+    calls = _count_groups(monkeypatch)
+    pattern = [0, 1, 3, 7, 16, 33, 64, 5]  # one length distribution, every bucket present at both sizes
+    counts = {}
+    for b in (8, 512):
+        lq = (pattern * (b // len(pattern)))[:b]
+        lk = lq[::-1] if cross else None
+        q, k, v, dout, qo, ko = _inputs(lq, lk, torch.float32, seed=b, d=4, dv=4)
+        args = (q, k, v, qo, ko, "softmax", -1, -1, 0.5, 1.0)
+        calls.clear()
+        cpu.attention_fwd(*args)
+        cpu.attention_bwd(dout, *args)
+        counts[b] = len(calls)
+        assert sum(calls) == 2 * sum(1 for i, n in enumerate(lq) if n > 0 and (lk or lq)[i] > 0)
+    assert counts[8] == counts[512] <= 2 * 7 * 7, counts
+
+
+def test_public_ops_use_vectorized_path(monkeypatch):
+    calls = _count_groups(monkeypatch)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the per-sequence oracle ran inside the custom op")
+
+    monkeypatch.setattr(reference, "attention_fwd", forbidden)
+    monkeypatch.setattr(reference, "attention_bwd", forbidden)
+    q, k, v, _, qo, _ = _inputs([3, 5], None, torch.float32, seed=8)
+    q.requires_grad_(True)
+    jagged_flash_attention(q, k, v, qo, max_q_len=5, causal=True).sum().backward()
+    # Lengths 3 and 5 fall in the buckets 4 and 8: two groups in the forward, two in the backward.
+    assert calls == [1, 1, 1, 1] and q.grad is not None
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_gradcheck_public_fp64(act):
+    q, k, v, _, qo, _ = _inputs([3, 0, 4, 1], None, torch.float64, seed=21, h=1, d=4, dv=3)
+    args = tuple(t.requires_grad_(True) for t in (q, k, v))
+    if act == "softmax":
+        fn = lambda q, k, v: jagged_flash_attention(q, k, v, qo, max_q_len=4, window=(2, 1))
+    else:
+        fn = lambda q, k, v: gdpa(q, k, v, qo, max_q_len=4, activation=act, causal=True)
+    assert torch.autograd.gradcheck(fn, args)
+
+
+def test_gradcheck_public_fp64_cross():
+    q, k, v, _, qo, ko = _inputs([2, 3, 0, 1], [3, 0, 2, 4], torch.float64, seed=22, h=1, d=4, dv=2)
+    args = tuple(t.requires_grad_(True) for t in (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: jagged_flash_attention(q, k, v, qo, ko, max_q_len=3, max_kv_len=4), args
+    )
+    assert torch.autograd.gradcheck(lambda q, k, v: gdpa(q, k, v, qo, ko, max_q_len=3, max_kv_len=4), args)
