@@ -166,9 +166,18 @@ def _data(args: argparse.Namespace) -> int:
     ds = SyntheticAds(cfg.data.synthetic, cfg.run.seed)
     import numpy as np
 
-    parts = [ds.get("eval", i, cfg.data.eval_batch_size) for i in range(ds.num_batches("eval", 1024))]
+    parts = [
+        ds.get("eval", i, cfg.data.eval_batch_size)
+        for i in range(ds.num_batches("eval", cfg.data.eval_batch_size))
+    ]
     lengths = np.concatenate([p.batch.sequences["history"].lengths.numpy() for p in parts])
-    print(f"synthetic ads dataset (seed {cfg.run.seed}); features: {ds.spec}")
+    sp = ds.spec
+    print(f"synthetic ads dataset (seed {cfg.run.seed}): {sp.n_dense} dense features, tasks {sp.tasks}")
+    print("  sparse: " + ", ".join(f"{f.name}[{f.num_embeddings}x{f.max_ids}]" for f in sp.sparse))
+    print(
+        "  sequences: "
+        + ", ".join(f"{s.name}(items {s.num_items}, max_len {s.max_len})" for s in sp.sequences)
+    )
     print(
         f"  history length ({cfg.data.synthetic.history_dist}): mean {lengths.mean():.1f}, median "
         f"{np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, max {lengths.max()}"
