@@ -69,7 +69,9 @@ def test_resume_gives_exactly_the_same_losses(tmp_path):
 
     first = Trainer(_cfg(tmp_path / "b", *steps)).fit(stop_after=3)
     assert first.status == "stopped" and first.last_checkpoint.name == "step_00000003"
-    second = Trainer(_cfg(tmp_path / "b", *steps), resume=first.last_checkpoint).fit()
+    # "latest": the newest checkpoint of this config's runs (a decoy run of another name is ignored).
+    (tmp_path / "b" / "tiny-cpu-baseline-20991231-000000" / "checkpoints").mkdir(parents=True)
+    second = Trainer(_cfg(tmp_path / "b", *steps), resume="latest").fit()
     assert second.status == "completed" and second.run_dir == first.run_dir
     # Bit-for-bit: same data position, weights, optimizer states, LR schedule and RNG.
     assert first.losses + second.losses == full.losses

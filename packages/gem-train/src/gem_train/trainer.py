@@ -18,6 +18,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -370,7 +371,11 @@ class Trainer:
 
     def _resolve_resume(self, resume: str | Path) -> Path:
         if str(resume) == "latest":
-            runs = sorted(Path(self.cfg.run.out_dir).glob(f"{self.cfg.run.name}-*"))
+            # <name>-<yyyymmdd>-<HHMMSS>[-k] only: "tiny-cpu-*" must not match "tiny-cpu-baseline-*".
+            pat = re.compile(re.escape(self.cfg.run.name) + r"-\d{8}-\d{6}(-\d+)?$")
+            runs = sorted(
+                p for p in Path(self.cfg.run.out_dir).glob(f"{self.cfg.run.name}-*") if pat.match(p.name)
+            )
             for r in reversed(runs):
                 ck = latest_checkpoint(r / "checkpoints")
                 if ck is not None:
