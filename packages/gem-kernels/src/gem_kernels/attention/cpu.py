@@ -1,14 +1,15 @@
 """Vectorized PyTorch path for jagged softmax attention and GDPA, forward and backward (the CPU path).
 
 Same semantics as the per-sequence loops in :mod:`gem_kernels.attention.reference` (which stay the oracle),
-but without a Python loop over the batch: the sequences are grouped into buckets by the powers of two
-just above their query and key lengths, each bucket is gathered into padded ``[G, H, Lq_max, D]`` /
-``[G, H, Lk_max, D]`` tensors through index tensors, the masked scores are computed by batched matmuls
-(mask = query valid & key valid & band), and the results are scattered back. Within a bucket every
-sequence is at least half the padded length in each dimension, so the padded work stays within 4x of the
-valid work (2x per dimension); a bucket whose score tensor would exceed :data:`SCORE_BUDGET` elements is
-split. The number of Python-level iterations is the number of (bucket, chunk) groups: at most
-``log2(max_q_len) * log2(max_kv_len)`` buckets, independent of the batch size ``B``.
+but without a Python loop over the batch: the sequences are grouped into buckets by their query and key
+lengths (:data:`BUCKETS_PER_OCTAVE` buckets per doubling), each group is gathered into padded head-major
+``[H, G, Lq_max, D]`` / ``[H, G, Lk_max, D]`` tensors through index tensors, the masked scores
+``[H, G, Lq_max, Lk_max]`` are computed by batched matmuls (mask = query valid & key valid & band), and the
+results are scattered back with ``index_copy_``. Within a bucket every length is more than
+``2 ** (-1 / BUCKETS_PER_OCTAVE)`` of the padded one in each dimension, so the padded work stays within 2x
+of the valid work for 2 buckets per octave; a group whose score tensor would exceed :data:`SCORE_BUDGET`
+elements is split. The number of Python-level iterations is the number of (bucket, chunk) groups: at most
+``(2 log2(max_q_len) + 1) * (2 log2(max_kv_len) + 1)`` buckets, independent of the batch size ``B``.
 
 Compute is fp32 (fp64 for fp64 inputs); outputs take the input dtypes, the LSE is fp32.
 """
@@ -21,32 +22,41 @@ from dataclasses import dataclass
 import torch
 
 from gem_kernels.attention.activations import act_grad, act_value
-from gem_kernels.attention.reference import SOFTMAX, _compute_dtype, _probs
+from gem_kernels.attention.reference import SOFTMAX, _compute_dtype
 
 # Largest G * H * Lq_max * Lk_max of one group's score tensor (2**26 fp32 elements = 256 MiB); several
 # such temporaries live at once in the backward, so this bounds its peak memory to about 1 GiB.
 SCORE_BUDGET = 2**26
+# Buckets per doubling of the length: 2 keeps each dimension's padding under 1.42x (the padded area under
+# 2x) for about twice the groups of power-of-two buckets. Timed at the tiny-model shape (B=256, H=2, D=32,
+# causal, fwd+bwd, 1 thread): 1 -> 31 ms, 2 -> 27, 3 -> 26, 4 -> 26, 8 -> 31 (more groups, more overhead).
+BUCKETS_PER_OCTAVE = 2
+# Upper bounds of the buckets: floor(2 ** (e / BUCKETS_PER_OCTAVE)), deduplicated, up to 2**62.
+_BUCKET_BOUNDS = torch.tensor(
+    sorted({int(2 ** (e / BUCKETS_PER_OCTAVE)) for e in range(62 * BUCKETS_PER_OCTAVE)})
+)
 
 
 @dataclass
 class _Group:
-    """One padded group of sequences, all index tensors on the data's device.
+    """One padded group of ``G`` sequences; every tensor is on the data's device.
 
-    ``q_idx`` ``[G, Lq]`` / ``k_idx`` ``[G, Lk]`` index rows of the flat tensors (padding points at the extra
-    zero row appended at the end); ``q_valid`` / ``k_valid`` are the matching bool masks and ``mask``
-    ``[G, 1, Lq, Lk]`` is the visibility of every (query, key) pair."""
+    ``q_idx`` ``[G * Lq]`` / ``k_idx`` ``[G * Lk]`` (row-major over ``[G, L]``) index rows of the padded
+    flat tensors; padding positions point at the extra zero row appended at the end. ``masked_out``
+    ``[G, Lq, Lk]`` is True where key ``j`` is NOT visible from query ``i`` (padding or outside the band)."""
 
+    size: int
+    lq: int
+    lk: int
     q_idx: torch.Tensor
     k_idx: torch.Tensor
-    q_valid: torch.Tensor
-    k_valid: torch.Tensor
-    mask: torch.Tensor
+    masked_out: torch.Tensor
 
 
-def _ceil_log2(n: torch.Tensor) -> torch.Tensor:
-    """Smallest ``e`` with ``2**e >= n`` for int64 ``n >= 1`` (exact, no floating point)."""
-    powers = torch.pow(2, torch.arange(63, dtype=torch.int64))
-    return torch.searchsorted(powers, n)
+def _bucket_ids(n: torch.Tensor) -> torch.Tensor:
+    """Bucket of each length ``n >= 1`` (int64): lengths in one bucket are within a factor
+    ``2 ** (1 / BUCKETS_PER_OCTAVE)`` of the bucket's largest, so padding stays bounded. Exact integers."""
+    return torch.searchsorted(_BUCKET_BOUNDS, n)
 
 
 def _buckets(lq: torch.Tensor, lk: torch.Tensor, heads: int) -> Iterator[torch.Tensor]:
@@ -55,14 +65,12 @@ def _buckets(lq: torch.Tensor, lk: torch.Tensor, heads: int) -> Iterator[torch.T
     active = torch.nonzero((lq > 0) & (lk > 0)).flatten()
     if active.numel() == 0:
         return
-    key = _ceil_log2(lq[active]) * 64 + _ceil_log2(lk[active])
+    key = _bucket_ids(lq[active]) * _BUCKET_BOUNDS.numel() + _bucket_ids(lk[active])
     _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
     order = active[torch.argsort(inverse, stable=True)]
-    members_per_bucket = torch.split(order, counts.tolist())
-    for members in members_per_bucket:
+    for members in torch.split(order, counts.tolist()):
         per_seq = heads * int(lq[members].max()) * int(lk[members].max())
-        chunk = max(1, SCORE_BUDGET // per_seq)
-        yield from torch.split(members, chunk)
+        yield from torch.split(members, max(1, SCORE_BUDGET // per_seq))
 
 
 def _group(
@@ -77,7 +85,7 @@ def _group(
     right: int,
     device: torch.device,
 ) -> _Group:
-    """Index tensors and masks of the sequences ``members`` (int64 CPU ``[G]``)."""
+    """Index tensors and mask of the sequences ``members`` (int64 CPU ``[G]``)."""
     lqg, lkg = lq[members], lk[members]
     iq = torch.arange(int(lqg.max()))
     ik = torch.arange(int(lkg.max()))
@@ -90,32 +98,57 @@ def _group(
         band &= ik[None, :] >= iq[:, None] - left
     if right >= 0:
         band &= ik[None, :] <= iq[:, None] + right
-    mask = q_valid[:, :, None] & k_valid[:, None, :] & band  # [G, Lq, Lk]
+    visible = q_valid[:, :, None] & k_valid[:, None, :] & band  # [G, Lq, Lk]
     return _Group(
-        q_idx.to(device),
-        k_idx.to(device),
-        q_valid.to(device),
-        k_valid.to(device),
-        mask[:, None].to(device),
+        members.numel(),
+        iq.numel(),
+        ik.numel(),
+        q_idx.flatten().to(device),
+        k_idx.flatten().to(device),
+        (~visible).to(device),
     )
 
 
-def _padded(flat: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """``flat`` ``[N, H, D]`` in ``cdt`` with one zero row appended (the target of padding indices)."""
-    out = torch.zeros(flat.shape[0] + 1, *flat.shape[1:], dtype=cdt, device=flat.device)
-    out[:-1] = flat
+def _head_major(flat: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """``flat`` ``[N, H, D]`` -> ``[H, N + 1, D]`` in ``cdt``, the last row 0 (the target of padding indices).
+
+    Head-major once per call, so that each group's gather is a contiguous ``[H, G, L, D]`` batch for the
+    matmuls (no per-group transposes)."""
+    out = torch.zeros(flat.shape[1], flat.shape[0] + 1, flat.shape[2], dtype=cdt, device=flat.device)
+    out[:, :-1] = flat.transpose(0, 1)
     return out
 
 
-def _gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``flat`` ``[N+1, H, D]`` and ``idx`` ``[G, L]`` -> ``[G, H, L, D]``."""
-    return flat[idx].transpose(1, 2)
+def _gather(flat: torch.Tensor, idx: torch.Tensor, size: int) -> torch.Tensor:
+    """``flat`` ``[H, N+1, D]``, ``idx`` ``[G * L]`` -> ``[H, G, L, D]`` (contiguous)."""
+    return flat.index_select(1, idx).unflatten(1, (size, -1))
 
 
-def _scatter(dst: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[idx[g, l]] = src[g, :, l]`` for the valid ``(g, l)``; ``src`` is ``[G, H, L, ...]``. Segments
-    never overlap, so each destination row is written once."""
-    dst[idx[valid]] = src.transpose(1, 2)[valid]
+def _scatter(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[:, idx[n]] = src[:, n]`` for ``dst`` ``[H, N+1, ...]`` and ``src`` ``[H, G, L, ...]``.
+
+    Segments never overlap, so each valid row is written once; all padding positions write the extra last
+    row, which is discarded."""
+    dst.index_copy_(1, idx, src.flatten(1, 2))
+
+
+def _flat(padded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[H, N+1, ...]`` head-major -> ``[N, H, ...]`` contiguous in ``dtype`` (the padding row dropped)."""
+    return padded[:, :-1].transpose(0, 1).contiguous().to(dtype)
+
+
+def _probs_(s: torch.Tensor, masked_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: ``s`` ``[H, G, Lq, Lk]`` scores -> masked softmax probabilities over the last dim (rows
+    with no visible key give 0), plus the log-sum-exp ``[H, G, Lq]`` (``-inf`` for those rows). The
+    arithmetic of :func:`gem_kernels.attention.reference._probs`, without temporaries of the scores' size."""
+    s.masked_fill_(masked_out, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s.sub_(m).exp_()
+    denom = s.sum(dim=-1, keepdim=True)
+    lse = (m + torch.log(denom)).squeeze(-1)
+    s.div_(torch.where(denom == 0, torch.ones_like(denom), denom))
+    return s, lse
 
 
 def _segments(q_offsets: torch.Tensor, kv_offsets: torch.Tensor):
@@ -152,26 +185,28 @@ def attention_fwd(
     """
     cdt = _compute_dtype(q)
     softmax = activation == SOFTMAX
-    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=cdt, device=q.device)
-    lse_shape = (q.shape[0], q.shape[1]) if softmax else (0,)
-    lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    heads = q.shape[1]
+    out = torch.zeros(heads, q.shape[0] + 1, v.shape[2], dtype=cdt, device=q.device)
+    lse = torch.full((heads, q.shape[0] + 1), float("-inf"), dtype=torch.float32, device=q.device)
     q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
     qp, kp, vp = None, None, None
-    for members in _buckets(lq, lk, q.shape[1]):
+    for members in _buckets(lq, lk, heads):
         if qp is None:  # converted once, only when some sequence attends
-            qp, kp, vp = _padded(q, cdt), _padded(k, cdt), _padded(v, cdt)
+            qp, kp, vp = _head_major(q, cdt), _head_major(k, cdt), _head_major(v, cdt)
         grp = _group(members, q_start, k_start, lq, lk, q.shape[0], k.shape[0], left, right, q.device)
-        qb, kb, vb = _gather(qp, grp.q_idx), _gather(kp, grp.k_idx), _gather(vp, grp.k_idx)
-        s = qk_scale * (qb @ kb.transpose(-1, -2))  # [G, H, Lq, Lk]
+        qb = _gather(qp, grp.q_idx, grp.size)  # [H, G, Lq, D]
+        kb, vb = _gather(kp, grp.k_idx, grp.size), _gather(vp, grp.k_idx, grp.size)  # [H, G, Lk, D/Dv]
+        s = (qb @ kb.transpose(-1, -2)).mul_(qk_scale)  # [H, G, Lq, Lk]
         if softmax:
-            p, lse_b = _probs(s, grp.mask)
-            _scatter(lse, grp.q_idx, grp.q_valid, lse_b.float())
+            p, lse_b = _probs_(s, grp.masked_out)
+            _scatter(lse, grp.q_idx, lse_b.float())
             ob = p @ vb
         else:
-            a = torch.where(grp.mask, act_value(activation, s), torch.zeros_like(s))
-            ob = out_scale * (a @ vb)
-        _scatter(out, grp.q_idx, grp.q_valid, ob)
-    return out.to(q.dtype), lse
+            a = act_value(activation, s).masked_fill_(grp.masked_out, 0.0)
+            ob = (a @ vb).mul_(out_scale)
+        _scatter(out, grp.q_idx, ob)
+    lse = _flat(lse, torch.float32) if softmax else lse.new_empty(0)
+    return _flat(out, q.dtype), lse
 
 
 def attention_bwd(
@@ -194,29 +229,30 @@ def attention_bwd(
     """
     cdt = _compute_dtype(q)
     softmax = activation == SOFTMAX
-    dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-    dk = torch.zeros(k.shape, dtype=cdt, device=q.device)
-    dv = torch.zeros(v.shape, dtype=cdt, device=q.device)
+    heads = q.shape[1]
+    dq = torch.zeros(heads, q.shape[0] + 1, q.shape[2], dtype=cdt, device=q.device)
+    dk = torch.zeros(heads, k.shape[0] + 1, k.shape[2], dtype=cdt, device=q.device)
+    dv = torch.zeros(heads, v.shape[0] + 1, v.shape[2], dtype=cdt, device=q.device)
     q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
     qp, kp, vp, dop = None, None, None, None
-    for members in _buckets(lq, lk, q.shape[1]):
+    for members in _buckets(lq, lk, heads):
         if qp is None:
-            qp, kp, vp, dop = _padded(q, cdt), _padded(k, cdt), _padded(v, cdt), _padded(dout, cdt)
+            qp, kp, vp = _head_major(q, cdt), _head_major(k, cdt), _head_major(v, cdt)
+            dop = _head_major(dout, cdt)
         grp = _group(members, q_start, k_start, lq, lk, q.shape[0], k.shape[0], left, right, q.device)
-        qb, kb, vb = _gather(qp, grp.q_idx), _gather(kp, grp.k_idx), _gather(vp, grp.k_idx)
-        dob = _gather(dop, grp.q_idx)  # [G, H, Lq, Dv]
-        s = qk_scale * (qb @ kb.transpose(-1, -2))
-        dp = dob @ vb.transpose(-1, -2)  # [G, H, Lq, Lk]
+        qb, dob = _gather(qp, grp.q_idx, grp.size), _gather(dop, grp.q_idx, grp.size)  # [H, G, Lq, D/Dv]
+        kb, vb = _gather(kp, grp.k_idx, grp.size), _gather(vp, grp.k_idx, grp.size)  # [H, G, Lk, D/Dv]
+        s = (qb @ kb.transpose(-1, -2)).mul_(qk_scale)  # [H, G, Lq, Lk]
+        dp = dob @ vb.transpose(-1, -2)  # [H, G, Lq, Lk]
         if softmax:
-            p, _ = _probs(s, grp.mask)
+            p, _ = _probs_(s, grp.masked_out)
             dvb = p.transpose(-1, -2) @ dob
-            ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
+            ds = dp.sub_((p * dp).sum(dim=-1, keepdim=True)).mul_(p)
         else:
-            zero = torch.zeros_like(s)
-            a = torch.where(grp.mask, act_value(activation, s), zero)
-            dvb = out_scale * (a.transpose(-1, -2) @ dob)
-            ds = torch.where(grp.mask, out_scale * dp * act_grad(activation, s), zero)
-        _scatter(dq, grp.q_idx, grp.q_valid, qk_scale * (ds @ kb))
-        _scatter(dk, grp.k_idx, grp.k_valid, qk_scale * (ds.transpose(-1, -2) @ qb))
-        _scatter(dv, grp.k_idx, grp.k_valid, dvb)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            a = act_value(activation, s).masked_fill_(grp.masked_out, 0.0)
+            dvb = (a.transpose(-1, -2) @ dob).mul_(out_scale)
+            ds = dp.mul_(out_scale).mul_(act_grad(activation, s)).masked_fill_(grp.masked_out, 0.0)
+        _scatter(dq, grp.q_idx, (ds @ kb).mul_(qk_scale))
+        _scatter(dk, grp.k_idx, (ds.transpose(-1, -2) @ qb).mul_(qk_scale))
+        _scatter(dv, grp.k_idx, dvb)
+    return _flat(dq, q.dtype), _flat(dk, k.dtype), _flat(dv, v.dtype)
