@@ -1,0 +1,78 @@
+"""CPU timing of jagged attention, forward + backward: the per-sequence loop (``attention.reference``)
+against the vectorized path (``attention.cpu``, what the custom ops run on the CPU).
+
+Shapes follow the tiny GEM model (``gem-train``'s ``tiny-cpu`` config): ``B`` sequences with log-normal
+lengths (mu 2.8, sigma 0.9, clipped to ``[1, max_len]``), ``H=2``, ``D=32``; self-attention (causal
+softmax, causal silu GDPA) and cross-attention (a few PMA seed queries over each sequence; each sequence's
+tokens over a few keys). Run: ``python packages/gem-kernels/benchmarks/bench_attention_cpu.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+from common import timeit
+
+from gem_kernels.attention import cpu, reference
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    out[1:] = lengths.cumsum(0)
+    return out
+
+
+def _case(lq: torch.Tensor, lk: torch.Tensor, heads: int, dim: int, g: torch.Generator):
+    q = torch.randn(int(lq.sum()), heads, dim, generator=g)
+    k = torch.randn(int(lk.sum()), heads, dim, generator=g)
+    v = torch.randn(int(lk.sum()), heads, dim, generator=g)
+    dout = torch.randn_like(q)
+    return q, k, v, dout, _offsets(lq), _offsets(lk)
+
+
+def _fwd_bwd(impl, q, k, v, dout, qo, ko, act, left, right):
+    args = (q, k, v, qo, ko, act, left, right, q.shape[2] ** -0.5, 1.0 / 64)
+    impl.attention_fwd(*args)
+    impl.attention_bwd(dout, *args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--max-len", type=int, default=64)
+    parser.add_argument("--seeds", type=int, default=4, help="PMA queries per sequence")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    hist = torch.exp(torch.randn(args.batch, generator=g) * 0.9 + 2.8).long().clamp(1, args.max_len)
+    few = torch.full_like(hist, args.seeds)
+    cases = [
+        ("self causal softmax", hist, hist, "softmax", -1, 0),
+        ("self causal silu", hist, hist, "silu", -1, 0),
+        ("cross PMA: seeds x hist", few, hist, "softmax", -1, -1),
+        ("cross: hist x seeds", hist, few, "softmax", -1, -1),
+    ]
+    print(
+        f"B={args.batch} H={args.heads} D={args.dim} lengths log-normal(2.8, 0.9) in [1, {args.max_len}] "
+        f"(mean {hist.float().mean():.1f}), threads={torch.get_num_threads()}, fp32, fwd+bwd, median of "
+        f"{args.iters}"
+    )
+    print(f"{'case':<26} {'loop ms':>9} {'vectorized ms':>14} {'speed-up':>9}")
+    for name, lq, lk, act, left, right in cases:
+        tensors = _case(lq, lk, args.heads, args.dim, g)
+        loop, vec = (
+            timeit(functools.partial(_fwd_bwd, impl, *tensors, act, left, right), args.iters)
+            for impl in (reference, cpu)
+        )
+        print(f"{name:<26} {loop:>9.2f} {vec:>14.2f} {loop / vec:>8.1f}x")
+
+
+if __name__ == "__main__":
+    main()
