@@ -25,7 +25,8 @@ from gem_kernels.attention.activations import act_grad, act_value
 from gem_kernels.attention.reference import SOFTMAX, _compute_dtype
 
 # Largest G * H * Lq_max * Lk_max of one group's score tensor (2**26 fp32 elements = 256 MiB); several
-# such temporaries live at once in the backward, so this bounds its peak memory to about 1 GiB.
+# such temporaries live at once in the backward, so this bounds its peak memory to about 1 GiB. A single
+# sequence longer than the budget still forms its own group (as in the per-sequence loop).
 SCORE_BUDGET = 2**26
 # Buckets per doubling of the length: 2 keeps each dimension's padding under 1.42x (the padded area under
 # 2x) for about twice the groups of power-of-two buckets. Timed at the tiny-model shape (B=256, H=2, D=32,
