@@ -127,6 +127,19 @@ def test_bf16_inputs_keep_dtype():
         assert _rel(a, b) < 2**-7
 
 
+@pytest.mark.parametrize("act", ["softmax", "silu"])
+def test_autocast_does_not_lower_the_compute_precision(act):
+    """Under bf16 autocast the path still computes in fp32: the same results as without autocast."""
+    q, k, v, dout, qo, ko = _inputs([9, 0, 33, 1], None, torch.float32, seed=6)
+    args = (q, k, v, qo, ko, act, -1, 0, 0.3, 0.5)
+    expected = (cpu.attention_fwd(*args)[0], *cpu.attention_bwd(dout, *args))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = (cpu.attention_fwd(*args)[0], *cpu.attention_bwd(dout, *args))
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == torch.float32
+        assert torch.equal(a, b)
+
+
 def _count_groups(monkeypatch) -> list[int]:
     """Patch :func:`cpu._group` (called once per Python-level iteration) to record each group's size."""
     calls: list[int] = []

@@ -16,7 +16,8 @@ Compute is fp32 (fp64 for fp64 inputs); outputs take the input dtypes, the LSE i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,18 @@ BUCKETS_PER_OCTAVE = 2
 _BUCKET_BOUNDS = torch.tensor(
     sorted({int(2 ** (e / BUCKETS_PER_OCTAVE)) for e in range(62 * BUCKETS_PER_OCTAVE)})
 )
+
+
+def _without_autocast(fn: Callable) -> Callable:
+    """Run ``fn`` with autocast off on its first argument's device: this path computes in fp32 (fp64) by
+    contract, and an enclosing ``torch.autocast`` would otherwise turn its matmuls into bf16 ones."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.autocast(args[0].device.type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclass
@@ -158,6 +171,7 @@ def _segments(q_offsets: torch.Tensor, kv_offsets: torch.Tensor):
     return qo[:-1], ko[:-1], qo[1:] - qo[:-1], ko[1:] - ko[:-1]
 
 
+@_without_autocast
 def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -210,6 +224,7 @@ def attention_fwd(
     return _flat(out, q.dtype), lse
 
 
+@_without_autocast
 def attention_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
