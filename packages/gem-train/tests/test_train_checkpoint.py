@@ -10,9 +10,12 @@ import torch.distributed.checkpoint as dcp
 
 from gem_train.checkpoint import (
     CheckpointError,
+    best_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    read_trainer_state,
+    save_best_checkpoint,
     save_checkpoint,
 )
 
@@ -104,3 +107,33 @@ def test_errors(tmp_path):
         load_checkpoint(path, other, [torch.optim.SGD(other.parameters(), lr=0.1)])
     # Only tensors are in the DCP files; the JSON holds the rest.
     assert json.loads((path / "trainer_state.json").read_text())["step"] == 1
+
+
+def test_best_checkpoint_link_is_replaced_atomically_and_never_pruned(tmp_path):
+    m, opts = _model_and_optims(0)
+    assert best_checkpoint(tmp_path) is None
+    save_checkpoint(tmp_path, 1, m, opts, extra={}, keep_last=1)
+    link = save_best_checkpoint(tmp_path, 1, m, opts, extra={"selection": {"value": 0.9}})
+    assert link == tmp_path / "best" and link.is_symlink() and best_checkpoint(tmp_path) == link
+    _train_step(m, opts)
+    w2 = [p.detach().clone() for p in m.parameters()]
+    save_best_checkpoint(tmp_path, 2, m, opts, extra={"selection": {"value": 0.8}})
+    for step in (2, 3, 4):
+        save_checkpoint(tmp_path, step, m, opts, extra={}, keep_last=1)
+    # keep_last prunes step_<N> only; the best is not one of them, and the older best directory is gone.
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "best_step_00000002", "step_00000004"]
+    assert latest_checkpoint(tmp_path).name == "step_00000004"
+    state = read_trainer_state(best_checkpoint(tmp_path))
+    assert state["step"] == 2 and state["selection"] == {"value": 0.8}
+    m2, _ = _model_and_optims(1)
+    load_checkpoint(tmp_path / "best", m2, None, restore_rng=False)
+    assert all(torch.equal(a, b) for a, b in zip(w2, m2.parameters()))
+    # A crash while writing the next best leaves its .tmp directory (and maybe a stray link): the old best
+    # still loads.
+    (tmp_path / ".tmp-best_step_00000005").mkdir()
+    (tmp_path / ".tmp-best").symlink_to(".tmp-best_step_00000005")
+    assert read_trainer_state(best_checkpoint(tmp_path))["step"] == 2
+    save_best_checkpoint(tmp_path, 5, m, opts, extra={})
+    assert read_trainer_state(best_checkpoint(tmp_path))["step"] == 5
+    assert not (tmp_path / ".tmp-best").exists() and not (tmp_path / ".tmp-best_step_00000005").exists()

@@ -56,6 +56,16 @@ def test_overrides_typed_and_dotted():
         ("data.synthetic=3", "data.synthetic: expected a table"),
         ("train.steps=0", "train.steps must be > 0"),
         ("optim.min_lr_ratio=2.0", "optim.min_lr_ratio"),
+        ("data.movielens.valid_fractoin=0.1", "unknown config key 'data.movielens.valid_fractoin'"),
+        ("data.movielens.valid_fraction=high", "data.movielens.valid_fraction: expected float"),
+        ("data.movielens.valid_fraction=-0.1", "data.movielens.valid_fraction must be in"),
+        ("data.movielens.valid_fraction=0.9", "with eval_fraction"),
+        ("train.valid_every=-1", "train.valid_every must be >= 0"),
+        ("train.valid_every=1.5", "train.valid_every: expected int"),
+        ("train.valid_batches=-2", "train.valid_batches must be >= 0"),
+        ("train.select_task=3", "train.select_task: expected str"),
+        ('train.select_task=""', "train.select_task must name a task"),
+        ("data.synthetic.valid_examples=-1", "data.synthetic.valid_examples must be >= 0"),
     ],
 )
 def test_config_errors_name_the_key(override, message):

@@ -100,3 +100,22 @@ def test_ranks_get_disjoint_interleaved_shards():
     assert sorted(e0 + e1 + e2) == list(range(n))
     last = ds.get("eval", n - 1, 1000)
     assert last.batch.batch_size == CFG.eval_examples - (n - 1) * 1000
+
+
+def test_synthetic_validation_split_is_its_own_stream():
+    import dataclasses
+
+    assert SyntheticAds(CFG, seed=1).num_batches("valid", 64) == 0  # off by default
+    ds = SyntheticAds(dataclasses.replace(CFG, valid_examples=150), seed=1)
+    assert ds.num_batches("valid", 64) == 3
+    v = [lb for lb in make_eval_loader(ds, 64, split="valid")]
+    assert [lb.index for lb in v] == [0, 1, 2] and [lb.batch.batch_size for lb in v] == [64, 64, 22]
+    v[0].batch.validate(ds.spec)
+    # Deterministic, and drawn from a stream of its own: not the test nor the training batches.
+    assert _same(v[0].batch, ds.get("valid", 0, 64).batch)
+    assert not _same(v[0].batch, ds.get("eval", 0, 64).batch)
+    assert not _same(v[0].batch, ds.get("train", 0, 64).batch)
+    with pytest.raises(IndexError, match="valid batch 3 out of range"):
+        ds.get("valid", 3, 64)
+    with pytest.raises(ValueError, match="split must be 'eval' or 'valid'"):
+        make_eval_loader(ds, 64, split="train")

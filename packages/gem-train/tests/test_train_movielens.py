@@ -36,7 +36,8 @@ def test_ctr_task_split_and_histories(tmp_path):
     ev = read_movielens_100k(tmp_path)
     assert ev.num_users == 3 and ev.num_items == 4
     assert list(ev.timestamp[ev.user == 1]) == sorted(ev.timestamp[ev.user == 1])
-    ds = MovieLens100K(MovieLensConfig(max_len=4, eval_fraction=0.1), events=ev)
+    ds = MovieLens100K(MovieLensConfig(max_len=4, eval_fraction=0.1, valid_fraction=0.0), events=ev)
+    assert len(ds.valid_rows) == 0 and ds.num_batches("valid", 4) == 0
     # The last 10% (at least one) of each user's events, by time, are evaluated.
     assert list(ev.timestamp[ds.eval_rows]) == [100, 9]
     assert len(ds.train_rows) == 11
@@ -58,6 +59,56 @@ def test_ctr_task_split_and_histories(tmp_path):
     e0 = np.concatenate([ds.rows("train", k, 5) for k in range(2)])
     e1 = np.concatenate([ds.rows("train", 2 + k, 5) for k in range(2)])
     assert len(set(e0)) == 10 and set(e0) <= set(ds.train_rows) and not np.array_equal(e0, e1)
+
+
+def test_validation_split_by_time_disjoint_and_without_leakage(tmp_path):
+    # User 1: 20 events (times 10..200, shuffled in the file), user 2: 3 events, user 3: 2 events (too few for
+    # a validation event: it keeps one training event), ties in time broken by item id.
+    rng = np.random.default_rng(0)
+    rows = [f"1\t{1 + k % 3}\t{1 + k % 5}\t{10 * (k + 1)}\n" for k in rng.permutation(20)]
+    rows += ["2\t3\t5\t7\n", "2\t1\t2\t5\n", "2\t2\t4\t9\n", "3\t1\t4\t50\n", "3\t2\t1\t50\n"]
+    users = "1\t24\tM\ttechnician\t85711\n2\t53\tF\tother\t94043\n3\t30\tF\twriter\t10001\n"
+    _write(tmp_path, rows, users=users)
+    ev = read_movielens_100k(tmp_path)
+    ds_test_only = MovieLens100K(MovieLensConfig(max_len=64, valid_fraction=0.0), events=ev)
+    ds = MovieLens100K(MovieLensConfig(max_len=64, eval_fraction=0.1, valid_fraction=0.15), events=ev)
+    # The test split does not depend on the validation split.
+    np.testing.assert_array_equal(ds.eval_rows, ds_test_only.eval_rows)
+    train, valid, test = set(ds.train_rows), set(ds.valid_rows), set(ds.eval_rows)
+    assert not (train & valid) and not (train & test) and not (valid & test)
+    assert train | valid | test == set(range(len(ev.user)))
+    # User 1: ceil(0.1 * 20) = 2 test events, ceil(0.15 * 20) = 3 validation events just before them.
+    assert list(ev.timestamp[[r for r in ds.eval_rows if ev.user[r] == 1]]) == [190, 200]
+    assert list(ev.timestamp[[r for r in ds.valid_rows if ev.user[r] == 1]]) == [160, 170, 180]
+    # User 2: 1 test, 1 validation, 1 training event; user 3: 1 test, 0 validation, 1 training event.
+    for u, (n_tr, n_va, n_te) in {1: (15, 3, 2), 2: (1, 1, 1), 3: (1, 0, 1)}.items():
+        got = [int(np.sum(ev.user[list(part)] == u)) for part in (train, valid, test)]
+        assert got == [n_tr, n_va, n_te], (u, got)
+    # Time order within each user: every training event < every validation event < every test event.
+    for u in (1, 2, 3):
+        t = [ev.timestamp[sorted(r for r in part if ev.user[r] == u)] for part in (train, valid, test)]
+        if len(t[1]):
+            assert t[0].max() <= t[1].min() and t[1].max() <= t[2].min()
+        assert t[0].max() <= t[2].min()
+    # Training popularity counts training events only.
+    assert ds.item_pop.sum() == len(ds.train_rows)
+    # No leakage: the history of each validation/test event is exactly the user's earlier events, oldest
+    # first (all of them: max_len 64), never the event itself nor a later one.
+    for split in ("valid", "eval"):
+        rows_ = ds.rows(split, 0, 1024)
+        hist = ds.get(split, 0, 1024).batch.sequences["history"]
+        offs = hist.offsets.tolist()
+        for k, r in enumerate(rows_):
+            expect = np.arange(ev.user_start[ev.user[r]], r)
+            assert hist.item_ids[offs[k] : offs[k + 1]].tolist() == ev.item[expect].tolist()
+            assert hist.timestamps[offs[k] : offs[k + 1]].tolist() == ev.timestamp[expect].tolist()
+            assert r not in expect
+    # Held-out splits come in a fixed order; asking past the end is an error naming the split.
+    np.testing.assert_array_equal(np.concatenate([ds.rows("valid", k, 2) for k in range(2)]), ds.valid_rows)
+    with pytest.raises(IndexError, match="valid batch 2 out of range"):
+        ds.rows("valid", 2, 2)
+    with pytest.raises(ValueError, match="split must be"):
+        ds.rows("test", 0, 2)
 
 
 @pytest.mark.parametrize(
@@ -108,4 +159,14 @@ def test_real_movielens_slice(real_ml100k):
     counts = np.bincount(ev.user)
     ok = counts > 0
     assert np.all(per_user[ok] == np.ceil(0.1 * counts[ok]))
+    # ... and the 10% before that to validation (users have >= 20 ratings: never clipped).
+    per_user_valid = np.bincount(ev.user[ds.valid_rows], minlength=len(counts))
+    assert np.all(per_user_valid[ok] == np.ceil(0.1 * counts[ok]))
+    lb = ds.get("valid", 0, 256)
+    lb.batch.validate(ds.spec)
+    last_train = np.zeros(len(counts), np.int64)
+    np.maximum.at(last_train, ev.user[ds.train_rows], ev.timestamp[ds.train_rows])
+    first_valid = np.full(len(counts), np.iinfo(np.int64).max)
+    np.minimum.at(first_valid, ev.user[ds.valid_rows], ev.timestamp[ds.valid_rows])
+    assert np.all(last_train[ok] <= first_valid[ok])
     assert 0.3 < ds.label.mean() < 0.7

@@ -6,10 +6,12 @@ The public API below is what the command is built from; ``gem-train --help`` is 
 from gem_train.baseline import BaselineMLP
 from gem_train.checkpoint import (
     CheckpointError,
+    best_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     read_trainer_state,
+    save_best_checkpoint,
     save_checkpoint,
 )
 from gem_train.config import SHIPPED_CONFIGS, ConfigError, TrainConfig, load_config
@@ -29,7 +31,14 @@ from gem_train.mfu import PEAK_FLOPS, device_peak_flops
 from gem_train.model_factory import build_gem_config, build_model
 from gem_train.optim import RowWiseAdagrad, build_optimizers, lr_factor
 from gem_train.run_dir import RunDir
-from gem_train.trainer import EvalResult, NonFiniteLossError, Trainer, TrainResult, evaluate_model
+from gem_train.trainer import (
+    EvalResult,
+    NonFiniteLossError,
+    Trainer,
+    TrainResult,
+    evaluate_model,
+    selection_value,
+)
 
 __version__ = "0.1.0"
 
@@ -53,6 +62,7 @@ __all__ = [
     "TrainResult",
     "Trainer",
     "auc",
+    "best_checkpoint",
     "binary_metrics",
     "build_gem_config",
     "build_model",
@@ -72,5 +82,7 @@ __all__ = [
     "normalized_entropy",
     "read_trainer_state",
     "reliability_bins",
+    "save_best_checkpoint",
     "save_checkpoint",
+    "selection_value",
 ]

@@ -17,6 +17,12 @@ Atomicity: every rank writes into ``checkpoints/.tmp-step_<N>``; after a barrier
 ``rename(2)`` on POSIX), then fsyncs the parent. A crash at any point before the rename leaves only a
 ``.tmp-*`` directory, which :func:`latest_checkpoint` ignores and the next save removes: a checkpoint either
 loads whole or is not there.
+
+The best checkpoint (model selection on a validation split): :func:`save_best_checkpoint` writes
+``checkpoints/best_step_<N>/`` the same way, then points the symbolic link ``checkpoints/best`` at it by
+an atomic ``rename(2)`` of a fresh link over the old one, then removes the older ``best_step_*``
+directories. ``checkpoints/best`` therefore always names one complete checkpoint (or does not exist yet);
+it is not one of the keep-last-K ``step_<N>`` checkpoints and is never pruned by them.
 """
 
 from __future__ import annotations
@@ -38,18 +44,23 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 __all__ = [
+    "BEST_LINK",
     "CheckpointError",
+    "best_checkpoint",
     "capture_rng_state",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "read_trainer_state",
     "restore_rng_state",
+    "save_best_checkpoint",
     "save_checkpoint",
 ]
 
 STATE_FILE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_BEST_RE = re.compile(r"^best_step_(\d+)$")
+BEST_LINK = "best"  # checkpoints/best -> best_step_<N>
 
 
 class CheckpointError(RuntimeError):
@@ -128,6 +139,15 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def best_checkpoint(root: str | Path) -> Path | None:
+    """``root/best`` (the link to the best-validation checkpoint) if it names a complete checkpoint; else
+    None."""
+    link = Path(root) / BEST_LINK
+    if link.is_dir() and (link / STATE_FILE).is_file():
+        return link
+    return None
+
+
 def read_trainer_state(ckpt_dir: str | Path) -> dict[str, Any]:
     """The JSON part of a checkpoint (step, data position, config, ...)."""
     path = Path(ckpt_dir) / STATE_FILE
@@ -197,10 +217,60 @@ def save_checkpoint(
     Returns:
         The final checkpoint directory.
     """
+    final = _write_checkpoint(Path(root), f"step_{step:08d}", step, model, optimizers, extra)
+    if _rank() == 0:
+        for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def save_best_checkpoint(
+    root: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    extra: dict[str, Any],
+) -> Path:
+    """Write ``root/best_step_<step>`` atomically and point the link ``root/best`` at it (all ranks call).
+
+    The older ``best_step_*`` directories are removed once the link has moved, so a crash at any point leaves
+    ``root/best`` naming a complete checkpoint (the old or the new one). ``extra`` as in
+    :func:`save_checkpoint` (the trainer stores the validation metrics that made it the best there).
+
+    Returns:
+        ``root/best`` (the link).
+    """
     root = Path(root)
+    name = f"best_step_{step:08d}"
+    _write_checkpoint(root, name, step, model, optimizers, extra)
+    link = root / BEST_LINK
+    if _rank() == 0:
+        tmp_link = root / f".tmp-{BEST_LINK}"
+        if tmp_link.is_symlink() or tmp_link.exists():
+            tmp_link.unlink()
+        os.symlink(name, tmp_link)  # relative: the run directory may be moved
+        os.replace(tmp_link, link)  # atomic: readers see the old or the new target, never neither
+        _fsync_dir(root)
+        for d in root.iterdir():
+            if _BEST_RE.match(d.name) and d.name != name:
+                shutil.rmtree(d, ignore_errors=True)
+    _barrier()
+    return link
+
+
+def _write_checkpoint(
+    root: Path,
+    name: str,
+    step: int,
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    extra: dict[str, Any],
+) -> Path:
+    """Write ``root/<name>`` through ``root/.tmp-<name>`` and an atomic rename (all ranks call)."""
     rank = _rank()
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-step_{step:08d}"
+    final = root / name
+    tmp = root / f".tmp-{name}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -236,8 +306,6 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(root)
-        for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 

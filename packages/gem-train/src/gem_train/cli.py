@@ -2,7 +2,7 @@
 
     gem-train                                  train the tiny model on synthetic data on the CPU (tiny-cpu)
     gem-train train [--config C] [--resume CKPT|RUN|latest] [key=value ...]
-    gem-train eval --checkpoint CKPT [--batches N] [key=value ...]
+    gem-train eval --checkpoint CKPT [--split test|valid] [--batches N] [key=value ...]
     gem-train bench [--config C] [--steps N] [--warmup N] [key=value ...]
     gem-train baseline [--config C] [key=value ...]   the plain MLP baseline on the same data and split
     gem-train data movielens-100k [--cache-dir D] [--wheel W]
@@ -45,8 +45,18 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--config", default="movielens", help=cfg_help)
     b.add_argument("overrides", nargs="*", help=ov_help)
 
-    e = sub.add_parser("eval", help="evaluate a checkpoint on its config's evaluation split")
-    e.add_argument("--checkpoint", required=True, help="a checkpoints/step_<N> directory (or a run dir)")
+    e = sub.add_parser("eval", help="evaluate a checkpoint on its config's test (or validation) split")
+    e.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a checkpoints/step_<N> or checkpoints/best directory (or a run dir: its newest step_<N>)",
+    )
+    e.add_argument(
+        "--split",
+        choices=("test", "valid"),
+        default="test",
+        help="the held-out split: test (default) or valid (the validation split used for model selection)",
+    )
     e.add_argument("--batches", type=int, default=0, help="evaluate only the first N batches (0: all)")
     e.add_argument("overrides", nargs="*", help=ov_help + " (applied to the checkpoint's config)")
 
@@ -96,8 +106,14 @@ def _train(cfg: TrainConfig, resume: str | None) -> int:
     result = trainer.fit()
     if trainer.dist.is_main:
         if result.final_eval is not None:
-            print(f"evaluation after {result.step} steps:")
+            print(f"evaluation after {result.step} steps (test split, final model):")
             print(result.final_eval.summary())
+        if result.best_eval is not None:
+            print(
+                f"test split of the best-validation checkpoint (step {result.best_step}, validation NE "
+                f"[{cfg.train.select_task}] {result.best_valid_ne:.4f}; {result.best_checkpoint}):"
+            )
+            print(result.best_eval.summary())
         print(f"run directory: {result.run_dir}")
     return 0
 
@@ -115,11 +131,17 @@ def _eval(args: argparse.Namespace) -> int:
     use_bf16 = cfg.train.autocast == "bf16" or (cfg.train.autocast == "auto" and d.device.type == "cuda")
     import torch
 
+    split = "eval" if args.split == "test" else "valid"
+    if not source.num_batches(split, cfg.data.eval_batch_size):
+        raise ConfigError(
+            "this dataset has no validation split (data.movielens.valid_fraction or "
+            "data.synthetic.valid_examples is 0); use --split test or set it"
+        )
     res = evaluate_model(
-        model, source, cfg, d, torch.bfloat16 if use_bf16 else None, int(state["step"]), args.batches
+        model, source, cfg, d, torch.bfloat16 if use_bf16 else None, int(state["step"]), args.batches, split
     )
     if d.is_main:
-        print(f"checkpoint {ckpt} (step {state['step']}):")
+        print(f"checkpoint {ckpt} (step {state['step']}), {args.split} split:")
         print(res.summary())
     return 0
 
@@ -149,7 +171,8 @@ def _data(args: argparse.Namespace) -> int:
         print(f"MovieLens-100K in {path}")
         print(
             f"  {len(ev.user):,} ratings, {len(set(ev.user.tolist()))} users, {ev.num_items - 1} movies; "
-            f"train {len(ds.train_rows):,} / eval {len(ds.eval_rows):,} events; "
+            f"train {len(ds.train_rows):,} / valid {len(ds.valid_rows):,} / test {len(ds.eval_rows):,} "
+            "events; "
             f"positive rate {ds.label.mean():.3f}"
         )
         if args.cache_dir:

@@ -110,7 +110,10 @@ class SyntheticConfig:
     base_ctr_logit: float = -1.6
     base_cvr_logit: float = -1.0
     train_examples_per_epoch: int = 0  # 0: an endless stream; else the stream repeats after this many
-    eval_examples: int = 8192
+    eval_examples: int = 8192  # the held-out (test) split
+    # A second held-out split for model selection (train.valid_every); 0: none. Its impressions come from
+    # their own random stream (split code "valid"), disjoint from the training and the test streams.
+    valid_examples: int = 0
 
 
 @dataclass
@@ -119,7 +122,10 @@ class MovieLensConfig:
 
     cache_dir: str = ""  # "" -> $GEM_CACHE_DIR or ~/.cache/gem
     max_len: int = 128
-    eval_fraction: float = 0.1  # the last fraction of each user's events (by time) is evaluated
+    eval_fraction: float = 0.1  # the last fraction of each user's events (by time): the test split
+    # The fraction of each user's events just before the test events: the validation split (model
+    # selection); 0 disables it. Training keeps the rest (at least one event per user when it can).
+    valid_fraction: float = 0.1
     like_threshold: int = 4  # label = rating >= like_threshold
     max_users: int = 0  # 0: all users; >0 keeps the first users (tests use a small slice)
 
@@ -158,8 +164,15 @@ class TrainerConfig:
 
     steps: int = 1000
     log_every: int = 20
-    eval_every: int = 0  # 0: evaluate only at the end
-    eval_batches: int = 0  # 0: the whole evaluation split
+    eval_every: int = 0  # steps between evaluations on the test split; 0: only at the end
+    eval_batches: int = 0  # 0: the whole evaluation (test) split
+    # Model selection: evaluate the validation split every valid_every steps (and at the last step), keep the
+    # checkpoint of the lowest validation NE in checkpoints/best, and report its test metrics at the end.
+    # 0: no validation. Needs a validation split (data.movielens.valid_fraction or
+    # data.synthetic.valid_examples > 0).
+    valid_every: int = 0
+    valid_batches: int = 0  # 0: the whole validation split
+    select_task: str = "ctr"  # the task whose validation NE selects; "mean": the mean NE over all tasks
     autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     nan_policy: Literal["stop", "skip"] = "stop"
     max_skipped_batches: int = 10  # with nan_policy="skip": stop after this many non-finite losses
@@ -229,6 +242,9 @@ class TrainConfig:
             "run.cpu_threads": self.run.cpu_threads,
             "train.eval_every": self.train.eval_every,
             "train.eval_batches": self.train.eval_batches,
+            "train.valid_every": self.train.valid_every,
+            "train.valid_batches": self.train.valid_batches,
+            "data.synthetic.valid_examples": self.data.synthetic.valid_examples,
             "train.peak_flops": self.train.peak_flops,
             "optim.warmup_steps": self.optim.warmup_steps,
             "optim.weight_decay": self.optim.weight_decay,
@@ -249,6 +265,14 @@ class TrainConfig:
             raise ConfigError(
                 f"data.movielens.eval_fraction must be in (0, 1), got {self.data.movielens.eval_fraction!r}"
             )
+        ml = self.data.movielens
+        if not 0.0 <= ml.valid_fraction < 1.0 or ml.eval_fraction + ml.valid_fraction >= 1.0:
+            raise ConfigError(
+                f"data.movielens.valid_fraction must be in [0, 1) with eval_fraction + valid_fraction < 1, "
+                f"got {ml.valid_fraction!r} (eval_fraction {ml.eval_fraction!r})"
+            )
+        if not self.train.select_task:
+            raise ConfigError("train.select_task must name a task (e.g. 'ctr') or be 'mean'")
         if self.model.baseline.embedding_dim <= 0 or any(h <= 0 for h in self.model.baseline.hidden):
             raise ConfigError("model.baseline.embedding_dim and model.baseline.hidden must be positive")
         if self.data.synthetic.num_actions < 2:

@@ -22,12 +22,14 @@ def _pyplot():
 
 
 def plot_curves(rows: list[dict[str, Any]], out_dir: Path, tasks: tuple[str, ...]) -> list[Path]:
-    """``loss.png`` (train loss by step) and ``ne.png`` (train and eval NE per task) from metrics rows."""
+    """``loss.png`` (train loss by step) and ``ne.png`` (train, validation and test NE per task) from metrics
+    rows."""
     plt = _pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train = [r for r in rows if r["split"] == "train"]
     evals = [r for r in rows if r["split"] == "eval"]
+    valids = [r for r in rows if r["split"] == "valid"]
     written = []
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -48,9 +50,12 @@ def plot_curves(rows: list[dict[str, Any]], out_dir: Path, tasks: tuple[str, ...
         pts = [(r["step"], r[f"{t}/ne"]) for r in train if f"{t}/ne" in r]
         if pts:
             ax.plot(*zip(*pts), label=f"train {t}")
+        pts = [(r["step"], r[f"{t}/ne"]) for r in valids if f"{t}/ne" in r]
+        if pts:
+            ax.plot(*zip(*pts), marker=".", linestyle=":", label=f"valid {t}")
         pts = [(r["step"], r[f"{t}/ne"]) for r in evals if f"{t}/ne" in r]
         if pts:
-            ax.plot(*zip(*pts), marker="o", linestyle="--", label=f"eval {t}")
+            ax.plot(*zip(*pts), marker="o", linestyle="--", label=f"test {t}")
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("normalized entropy")

@@ -1,9 +1,15 @@
 """The training loop: one process or many (``torchrun``), CPU or GPU, resumable to the exact loss.
 
 One :class:`Trainer` owns a run: data stream, model, optimizers, logging, evaluation and checkpoints.
-``fit()`` trains ``train.steps`` steps (from the checkpoint's step when resuming), evaluates every
-``train.eval_every`` steps and at the end, checkpoints every ``checkpoint.every`` steps, at the end and on
-SIGTERM/Ctrl-C, and writes plots and ``eval.json`` into the run directory.
+``fit()`` trains ``train.steps`` steps (from the checkpoint's step when resuming), evaluates the test split
+("eval") every ``train.eval_every`` steps and at the end, checkpoints every ``checkpoint.every`` steps, at the
+end and on SIGTERM/Ctrl-C, and writes plots and ``eval.json`` into the run directory.
+
+Model selection: with ``train.valid_every > 0`` it also evaluates the validation split ("valid") every
+``valid_every`` steps and at the last step, keeps the checkpoint with the lowest validation NE of
+``train.select_task`` (or of the mean over tasks, ``"mean"``) in ``checkpoints/best`` (ties keep the earlier
+step), and at the end evaluates that checkpoint, loaded back from disk, on the test split. The test split
+never takes part in the choice.
 
 Exact resume: a batch is a pure function of its index, the stream's position is the step, the learning rate
 is a function of the step, and model, optimizer and RNG states are restored; DataLoaders get their own
@@ -34,7 +40,14 @@ from torch import Tensor, nn
 
 import gem_model
 from gem_model import GemBatch
-from gem_train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gem_train.checkpoint import (
+    best_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    save_best_checkpoint,
+    save_checkpoint,
+)
 from gem_train.config import ConfigError, TrainConfig, config_to_dict, dumps_toml
 from gem_train.data.loader import BatchSource, make_eval_loader, make_train_loader
 from gem_train.logger import MetricsLogger, read_metrics, truncate_metrics
@@ -55,6 +68,7 @@ __all__ = [
     "evaluate_model",
     "init_distributed",
     "multitask_loss",
+    "selection_value",
 ]
 
 
@@ -216,12 +230,32 @@ class EvalResult:
 
 @dataclass
 class TrainResult:
+    """What ``Trainer.fit`` returns. ``final_eval`` is the test split at the last step; with validation
+    (``train.valid_every > 0``) ``best_eval`` is the test split of the best-validation checkpoint,
+    ``best_step`` its step, ``best_valid_ne`` its validation selection value, ``best_checkpoint`` its path."""
+
     run_dir: Path
     step: int
     status: str  # "completed" | "interrupted" | "stopped"
     losses: list[float]
     final_eval: EvalResult | None
     last_checkpoint: Path | None
+    best_step: int | None = None
+    best_valid_ne: float | None = None
+    best_checkpoint: Path | None = None
+    best_eval: EvalResult | None = None
+
+
+def selection_value(ev: EvalResult, task: str) -> float:
+    """The validation NE that selects: of ``task``, or the mean over the evaluated tasks (``"mean"``).
+
+    NaN when the task was not evaluated (no labelled example): such a value never selects.
+    """
+    if task == "mean":
+        nes = [m.ne for m in ev.tasks.values()]
+        return float(np.mean(nes)) if nes else float("nan")
+    m = ev.tasks.get(task)
+    return float(m.ne) if m is not None else float("nan")
 
 
 @torch.no_grad()
@@ -233,12 +267,14 @@ def evaluate_model(
     autocast_dtype: torch.dtype | None,
     step: int = 0,
     max_batches: int = 0,
+    split: str = "eval",
 ) -> EvalResult:
-    """NE, AUC, calibration and log loss of every task on the evaluation split of ``source``.
+    """NE, AUC, calibration and log loss of every task on a held-out split of ``source``.
 
-    Ranks evaluate disjoint batches; the predictions are gathered so every rank returns the same result.
-    ``max_batches = 0`` evaluates the whole split. On synthetic data the result also holds the NE of the
-    hidden ground-truth model on the same labels (the floor).
+    ``split``: "eval" (the test split, default) or "valid" (the validation split). Ranks evaluate disjoint
+    batches; the predictions are gathered so every rank returns the same result. ``max_batches = 0``
+    evaluates the whole split. On synthetic data the result also holds the NE of the hidden ground-truth
+    model on the same labels (the floor).
     """
     tasks = tuple(source.spec.tasks)
     device = dist_info.device
@@ -252,6 +288,7 @@ def evaluate_model(
         world_size=dist_info.world_size,
         num_workers=cfg.data.num_workers,
         pin_memory=device.type == "cuda",
+        split=split,
     )
     ctx = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)
@@ -351,6 +388,7 @@ class Trainer:
         self.autocast_dtype = self._autocast_dtype()
         self.peak_flops = device_peak_flops(self.device, cfg.train.peak_flops)
         self.logger = MetricsLogger(self.run.metrics, self.run.tensorboard, enabled=self.dist.is_main)
+        self._check_selection()
 
         self.start_step = 0
         self.skipped = 0
@@ -360,6 +398,18 @@ class Trainer:
             self.skipped = int(state.get("skipped_batches", 0))
             if self.dist.is_main:
                 truncate_metrics(self.run.metrics, self.start_step)
+        # The best-validation checkpoint so far: (step, value). On resume, one written after the resumed
+        # step belongs to a future this run recomputes (exactly, on the CPU), so it is dropped.
+        self.best: tuple[int, float] | None = None
+        if cfg.train.valid_every:
+            found = best_checkpoint(self.run.checkpoints)
+            if found is not None:
+                st = read_trainer_state(found)
+                sel = st.get("selection", {})
+                if self.resume_from is not None and int(st["step"]) <= self.start_step and "value" in sel:
+                    self.best = (int(st["step"]), float(sel["value"]))
+                elif self.dist.is_main:
+                    (self.run.checkpoints / "best").unlink()
         # Dropout etc. differ per rank (the same seed would correlate them across ranks).
         if self.resume_from is None:
             torch.manual_seed(cfg.run.seed + 1_000_003 * (self.dist.rank + 1))
@@ -368,6 +418,26 @@ class Trainer:
         self.last_checkpoint: Path | None = self.resume_from
 
     # -- setup helpers ---------------------------------------------------------------------------------------
+
+    def _check_selection(self) -> None:
+        t = self.cfg.train
+        if not t.valid_every:
+            return
+        if not self.source.num_batches("valid", self.cfg.data.eval_batch_size):
+            key = (
+                "data.movielens.valid_fraction"
+                if self.cfg.data.source == "movielens-100k"
+                else "data.synthetic.valid_examples"
+            )
+            raise ConfigError(
+                f"train.valid_every = {t.valid_every} needs a validation split, but the dataset has none "
+                f"(set {key} > 0, or train.valid_every = 0)"
+            )
+        if t.select_task != "mean" and t.select_task not in self.tasks:
+            raise ConfigError(
+                f"train.select_task = {t.select_task!r} is not a task of this dataset "
+                f"({', '.join(self.tasks)}) nor 'mean'"
+            )
 
     def _resolve_resume(self, resume: str | Path) -> Path:
         if str(resume) == "latest":
@@ -432,26 +502,80 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------------
 
-    def save(self, step: int) -> Path:
-        extra = {
+    def _extra(self, step: int) -> dict[str, Any]:
+        return {
             "config": config_to_dict(self.cfg),
             "data_position": step,  # batches consumed by each rank
             "skipped_batches": self.skipped,
             "saved_at": _dt.datetime.now(_dt.UTC).isoformat(),
         }
+
+    def save(self, step: int) -> Path:
         path = save_checkpoint(
-            self.run.checkpoints, step, self.model, self.optimizers, extra, self.cfg.checkpoint.keep_last
+            self.run.checkpoints,
+            step,
+            self.model,
+            self.optimizers,
+            self._extra(step),
+            self.cfg.checkpoint.keep_last,
         )
         self.last_checkpoint = path
         return path
 
     # -- evaluation -----------------------------------------------------------------------------------------
 
-    def evaluate(self, step: int, max_batches: int | None = None) -> EvalResult:
-        """Evaluate every task on the evaluation split (sharded over ranks, gathered on every rank)."""
-        n = self.cfg.train.eval_batches if max_batches is None else max_batches
+    def evaluate(self, step: int, max_batches: int | None = None, split: str = "eval") -> EvalResult:
+        """Evaluate every task on ``split``: "eval" (test) or "valid" (sharded over ranks, gathered on every
+        rank)."""
+        default = self.cfg.train.eval_batches if split == "eval" else self.cfg.train.valid_batches
+        n = default if max_batches is None else max_batches
         return evaluate_model(
-            self.model, self.source, self.cfg, self.dist, self.autocast_dtype, step=step, max_batches=n
+            self.model,
+            self.source,
+            self.cfg,
+            self.dist,
+            self.autocast_dtype,
+            step=step,
+            max_batches=n,
+            split=split,
+        )
+
+    def _validate(self, step: int) -> None:
+        """Evaluate the validation split; save ``checkpoints/best`` if the selection NE is a new minimum."""
+        ev = self.evaluate(step, split="valid")
+        value = selection_value(ev, self.cfg.train.select_task)
+        row = ev.as_flat_dict()
+        row["select_ne"] = value
+        self.logger.log(step, "valid", row)
+        if math.isfinite(value) and (self.best is None or value < self.best[1]):
+            self.best = (step, value)
+            extra = self._extra(step)
+            extra["selection"] = {
+                "task": self.cfg.train.select_task,
+                "value": value,
+                "valid": {t: m.as_dict() for t, m in ev.tasks.items()},
+            }
+            save_best_checkpoint(self.run.checkpoints, step, self.model, self.optimizers, extra)
+
+    def evaluate_best(self) -> EvalResult | None:
+        """The test split of the best-validation checkpoint, loaded from disk into a fresh model (None if
+        there is none)."""
+        found = best_checkpoint(self.run.checkpoints)
+        if found is None:
+            return None
+        model = build_model(
+            self.cfg.model, self.spec, self.device, self.cfg.run.seed, self.cfg.precision
+        ).model
+        state = load_checkpoint(found, model, None, restore_rng=False)
+        n = self.cfg.train.eval_batches
+        return evaluate_model(
+            model,
+            self.source,
+            self.cfg,
+            self.dist,
+            self.autocast_dtype,
+            step=int(state["step"]),
+            max_batches=n,
         )
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -530,6 +654,8 @@ class Trainer:
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != total:
                     ev = self.evaluate(step)
                     self.logger.log(step, "eval", ev.as_flat_dict())
+                if cfg.train.valid_every and (step % cfg.train.valid_every == 0 or step == total):
+                    self._validate(step)
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != total:
                     self.save(step)
                 if stop_after is not None and step >= stop_after:
@@ -557,13 +683,34 @@ class Trainer:
                 f"  resume with: gem-train train --resume {self.last_checkpoint}",
                 file=sys.stderr,
             )
+        best_eval: EvalResult | None = None
         if status == "completed":
             final_eval = self.evaluate(step)
             self.logger.log(step, "eval", final_eval.as_flat_dict())
+            if self.best is not None:
+                # The selected checkpoint, loaded back from disk (also when it is the last step: this checks
+                # that checkpoints/best loads), on the test split.
+                best_eval = self.evaluate_best()
+                if best_eval is not None:
+                    row = best_eval.as_flat_dict()
+                    row["best_step"] = best_eval.step
+                    self.logger.log(step, "best_eval", row)
             if d.is_main:
-                self._write_final(final_eval)
+                self._write_final(final_eval, best_eval)
         self.logger.close()
-        return TrainResult(self.run.root, step, status, list(self.losses), final_eval, self.last_checkpoint)
+        best_ck = best_checkpoint(self.run.checkpoints) if self.best is not None else None
+        return TrainResult(
+            self.run.root,
+            step,
+            status,
+            list(self.losses),
+            final_eval,
+            self.last_checkpoint,
+            best_step=self.best[0] if self.best else None,
+            best_valid_ne=self.best[1] if self.best else None,
+            best_checkpoint=best_ck,
+            best_eval=best_eval,
+        )
 
     def _global_value(self, x: Tensor) -> float:
         # Every rank must agree on skipping/stopping: a NaN anywhere is a NaN everywhere.
@@ -622,13 +769,25 @@ class Trainer:
             post["MFU"] = f"{100 * row['mfu']:.1f}%"
         bar.set_postfix(post, refresh=False)
 
-    def _write_final(self, ev: EvalResult) -> None:
-        summary = {
+    def _write_final(self, ev: EvalResult, best: EvalResult | None = None) -> None:
+        summary: dict[str, Any] = {
             "step": ev.step,
             "tasks": {t: m.as_dict() for t, m in ev.tasks.items()},
             "ground_truth_ne": ev.ground_truth_ne,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }
+        if best is not None and self.best is not None:
+            found = best_checkpoint(self.run.checkpoints)
+            sel = read_trainer_state(found).get("selection", {}) if found else {}
+            summary["best"] = {
+                "step": best.step,
+                "select_task": self.cfg.train.select_task,
+                "valid_ne": self.best[1],
+                "valid": sel.get("valid"),
+                "tasks": {t: m.as_dict() for t, m in best.tasks.items()},  # the test split
+                "ground_truth_ne": best.ground_truth_ne,
+                "checkpoint": str(found) if found else None,
+            }
         self.run.eval_summary.write_text(json.dumps(summary, indent=2), encoding="utf-8")
         rows = read_metrics(self.run.metrics)
         plot_curves(rows, self.run.plots, self.tasks)

@@ -42,11 +42,12 @@ class BatchSource(Protocol):
     spec: FeatureSpec
 
     def get(self, split: str, index: int, batch_size: int) -> LoadedBatch:
-        """Batch ``index`` of ``split`` ("train": any index >= 0, endless; "eval": ``< num_batches``)."""
+        """Batch ``index`` of ``split`` ("train": any index >= 0, endless; "valid" (validation, for model
+        selection) and "eval" (test): ``< num_batches``)."""
         ...
 
     def num_batches(self, split: str, batch_size: int) -> int | None:
-        """Batches in one pass over ``split`` (None: endless)."""
+        """Batches in one pass over ``split`` (None: endless; 0 for "valid": no validation split)."""
         ...
 
 
@@ -117,14 +118,18 @@ def make_eval_loader(
     world_size: int = 1,
     num_workers: int = 0,
     pin_memory: bool = False,
+    split: str = "eval",
 ) -> DataLoader:
-    """This rank's share of the evaluation split (all of it, or the first ``max_batches`` batches)."""
-    total = source.num_batches("eval", batch_size)
+    """This rank's share of a held-out split: ``split`` "eval" (test, the default) or "valid" (validation);
+    all of it, or the first ``max_batches`` batches."""
+    if split not in ("eval", "valid"):
+        raise ValueError(f"split must be 'eval' or 'valid', got {split!r}")
+    total = source.num_batches(split, batch_size)
     if total is None:
-        raise ValueError("the evaluation split must be finite")
+        raise ValueError(f"the {split} split must be finite")
     if max_batches:
         total = min(total, max_batches)
     # Rank r takes global batches r, r + W, ...: per-rank count = ceil((total - r) / W).
     per_rank = max(0, -(-(total - rank) // world_size))
-    stream = BatchStream(source, "eval", batch_size, rank, world_size, start=0, stop=per_rank)
+    stream = BatchStream(source, split, batch_size, rank, world_size, start=0, stop=per_rank)
     return _loader(stream, num_workers, pin_memory)

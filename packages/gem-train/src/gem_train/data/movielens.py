@@ -8,9 +8,17 @@ files with a typed header (``user_id:token  item_id:token  rating:float  timesta
 The task: every rating event is a candidate impression (the movie is the "ad"), label ``ctr`` =
 ``rating >= like_threshold``; the user's earlier events, oldest first, are the history (item ids, ratings as
 action ids 1..5, timestamps), truncated to the most recent ``max_len``. Events are ordered by
-(timestamp, item id) per user; the last ``eval_fraction`` of each user's events (at least one) form the
-evaluation split, the rest the training split. The history of an evaluation event holds all the user's earlier
-events (they are known at request time), never the event itself or later ones.
+(timestamp, item id) per user. Three splits, by time within each user:
+
+- ``"eval"`` (the test split): the last ``eval_fraction`` of each user's events (at least one);
+- ``"valid"`` (the validation split, for model selection): the ``valid_fraction`` of the user's events just
+  before those (``ceil(valid_fraction * count)``, but never the user's last training event: a user keeps at
+  least one training event); ``valid_fraction = 0`` disables it;
+- ``"train"``: the rest, i.e. every event before the user's validation and test events.
+
+So for every user, training events < validation events < test events in time. The history of a validation
+or test event holds all the user's earlier events (known at request time: for a test event that includes
+the user's validation events), never the event itself or later ones.
 
 Features (only from the past or from static attributes, so nothing leaks the label):
 - sparse: ``user_id``, ``user_gender``, ``user_age``, ``user_occupation``, ``ad_id`` (the movie),
@@ -275,13 +283,20 @@ class MovieLens100K:
         n = len(ev.user)
         if n == 0:
             raise ValueError("MovieLens-100K: no events (max_users too small?)")
-        # Position of every event in its user's time order, and the evaluation tail of each user.
+        # Position of every event in its user's time order; the test tail of each user and, before it, the
+        # validation block.
         pos = np.arange(n) - ev.user_start[ev.user]
         count = ev.user_start[ev.user + 1] - ev.user_start[ev.user]
         n_eval = np.maximum(1, np.ceil(cfg.eval_fraction * count)).astype(np.int64)
+        n_valid = np.zeros_like(n_eval)
+        if cfg.valid_fraction > 0:
+            want = np.ceil(cfg.valid_fraction * count).astype(np.int64)
+            n_valid = np.clip(want, 0, np.maximum(count - n_eval - 1, 0))
         is_eval = pos >= count - n_eval
+        is_valid = ~is_eval & (pos >= count - n_eval - n_valid)
         self.pos = pos
-        self.train_rows = np.flatnonzero(~is_eval)
+        self.train_rows = np.flatnonzero(~is_eval & ~is_valid)
+        self.valid_rows = np.flatnonzero(is_valid)
         self.eval_rows = np.flatnonzero(is_eval)
         self.label = (ev.rating >= cfg.like_threshold).astype(np.float32)
         # Movie popularity from the training split only.
@@ -305,17 +320,26 @@ class MovieLens100K:
     # BatchSource -------------------------------------------------------------------------------------------
 
     def num_batches(self, split: str, batch_size: int) -> int | None:
-        if split == "eval":
-            return -(-len(self.eval_rows) // batch_size)
+        """Batches in one pass over ``split`` ("train", "valid" or "eval"); "valid" has 0 when disabled."""
+        if split in ("eval", "valid"):
+            return -(-len(self._held_out(split)) // batch_size)
+        if split != "train":
+            raise ValueError(f"split must be 'train', 'valid' or 'eval', got {split!r}")
         return max(1, len(self.train_rows) // batch_size)
 
+    def _held_out(self, split: str) -> np.ndarray:
+        return self.eval_rows if split == "eval" else self.valid_rows
+
     def rows(self, split: str, index: int, batch_size: int) -> np.ndarray:
-        """Event rows of batch ``index``: eval in a fixed order; train reshuffled every epoch by the seed."""
-        if split == "eval":
-            n = self.num_batches("eval", batch_size)
+        """Event rows of batch ``index``: valid/eval in a fixed order; train reshuffled every epoch by the
+        seed."""
+        if split in ("eval", "valid"):
+            n = self.num_batches(split, batch_size)
             if not 0 <= index < n:
-                raise IndexError(f"eval batch {index} out of range ({n} batches)")
-            return self.eval_rows[index * batch_size : (index + 1) * batch_size]
+                raise IndexError(f"{split} batch {index} out of range ({n} batches)")
+            return self._held_out(split)[index * batch_size : (index + 1) * batch_size]
+        if split != "train":
+            raise ValueError(f"split must be 'train', 'valid' or 'eval', got {split!r}")
         per_epoch = self.num_batches("train", batch_size)
         epoch, k = divmod(int(index), per_epoch)
         if self._perm_cache is None or self._perm_cache[0] != epoch:

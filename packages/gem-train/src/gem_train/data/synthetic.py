@@ -36,7 +36,7 @@ from gem_train.metrics import binary_entropy
 
 __all__ = ["SyntheticAds", "SyntheticBatch", "ground_truth_ne"]
 
-_SPLIT_CODE = {"train": 0, "eval": 1}
+_SPLIT_CODE = {"train": 0, "eval": 1, "valid": 2}
 _T0 = 1_767_225_600  # 2026-01-01, seconds
 _DAY = 86_400
 _LATENT = 8  # width of the hidden taste vectors
@@ -155,29 +155,33 @@ class SyntheticAds:
 
     def num_batches(self, split: str, batch_size: int) -> int | None:
         """Batches per pass: eval ``ceil(eval_examples / B)``; train None (endless) or one epoch."""
-        if split == "eval":
-            return -(-self.cfg.eval_examples // batch_size)
+        if split in ("eval", "valid"):
+            return -(-self._held_out_examples(split) // batch_size)
         epoch = self.cfg.train_examples_per_epoch
         return max(1, epoch // batch_size) if epoch else None
+
+    def _held_out_examples(self, split: str) -> int:
+        return self.cfg.eval_examples if split == "eval" else self.cfg.valid_examples
 
     def get(self, split: str, index: int, batch_size: int) -> LoadedBatch:
         """Batch ``index`` for the loader (train indices wrap around a finite epoch; the last eval batch
         is smaller when ``eval_examples`` is not a multiple of the batch size)."""
         n = self.num_batches(split, batch_size)
         size = batch_size
-        if split == "eval":
+        if split in ("eval", "valid"):
             if not 0 <= index < n:
-                raise IndexError(f"eval batch {index} out of range ({n} batches)")
-            size = min(batch_size, self.cfg.eval_examples - index * batch_size)
+                raise IndexError(f"{split} batch {index} out of range ({n} batches)")
+            size = min(batch_size, self._held_out_examples(split) - index * batch_size)
         elif n is not None:
             index %= n
         sb = self.make_batch(split, index, size)
         return LoadedBatch(sb.batch, index, sb.true_probs)
 
     def make_batch(self, split: str, index: int, batch_size: int) -> SyntheticBatch:
-        """Batch ``index`` of ``split`` ("train" or "eval"): a pure function of (seed, split, index, size)."""
+        """Batch ``index`` of ``split`` ("train", "valid" or "eval"): a pure function of (seed, split, index,
+        size)."""
         if split not in _SPLIT_CODE:
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+            raise ValueError(f"split must be 'train', 'valid' or 'eval', got {split!r}")
         c = self.cfg
         rng = np.random.default_rng([self.seed, _SPLIT_CODE[split], int(index), int(batch_size)])
         b = batch_size
