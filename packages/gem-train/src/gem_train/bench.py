@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gem_train.compile import apply_compile
 from gem_train.config import TrainConfig
 from gem_train.mfu import device_peak_flops
 from gem_train.model_factory import build_model
@@ -43,7 +44,7 @@ def run_bench(
     model = built.model
     opts = build_optimizers(list(model.dense_parameters()), list(model.sparse_parameters()), cfg.optim)
     dense = list(model.dense_parameters())
-    train_model = torch.compile(model) if cfg.train.compile else model
+    train_model = apply_compile(model) if cfg.train.compile else model
     use_bf16 = cfg.train.autocast == "bf16" or (cfg.train.autocast == "auto" and device.type == "cuda")
     ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
     batches = [lb.batch.to(device) for lb in host]

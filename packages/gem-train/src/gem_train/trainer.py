@@ -48,6 +48,7 @@ from gem_train.checkpoint import (
     save_best_checkpoint,
     save_checkpoint,
 )
+from gem_train.compile import apply_compile
 from gem_train.config import ConfigError, TrainConfig, config_to_dict, dumps_toml
 from gem_train.data.loader import BatchSource, make_eval_loader, make_train_loader
 from gem_train.logger import MetricsLogger, read_metrics, truncate_metrics
@@ -375,7 +376,7 @@ class Trainer:
 
         self.train_model: nn.Module = self.model
         if cfg.train.compile:
-            self.train_model = torch.compile(self.train_model)
+            self.train_model = apply_compile(self.train_model)
         if self.dist.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
