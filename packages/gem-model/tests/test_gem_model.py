@@ -289,3 +289,30 @@ def test_cli_prints_summaries(capsys):
     main(["tiny"])
     out = capsys.readouterr().out
     assert "== tiny" in out and "dense total" in out
+
+
+def test_attention_pairs_closed_forms_match_mask_counts():
+    # The closed forms against counting the entries of an explicit mask, lengths 0..70 around the
+    # window and block sizes.
+    def mask_count(n, kind, causal, window, block_size):
+        i = torch.arange(n)[:, None]
+        j = torch.arange(n)[None, :]
+        if kind == "full":
+            m = torch.ones(n, n, dtype=torch.bool)
+        elif kind == "window":
+            m = (j >= i - window) & (j <= i + (0 if causal else window))
+        else:
+            m = (i // block_size) == (j // block_size)
+        if causal:
+            m &= j <= i
+        return int(m.sum())
+
+    for kind in ("full", "window", "block"):
+        for causal in (True, False):
+            for window, block in ((0, 1), (1, 4), (7, 16), (64, 64)):
+                lengths = [0, 1, 2, window, window + 1, block, block + 1, 70]
+                want = sum(mask_count(n, kind, causal, window, block) for n in lengths)
+                got = gm.attention_pairs(lengths, kind, causal=causal, window=window, block_size=block)
+                assert got == want, (kind, causal, window, block)
+    with pytest.raises(ValueError, match="unknown attention kind"):
+        gm.attention_pairs([3], "sparse", causal=True, window=0, block_size=4)

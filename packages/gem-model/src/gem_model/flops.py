@@ -29,26 +29,38 @@ def _lengths(offsets: torch.Tensor) -> list[int]:
     return (o[1:] - o[:-1]).tolist()
 
 
+def _sum_min(n: int, cap: int) -> int:
+    """``sum(min(i, cap) for i in range(n))`` in closed form: the keys on one side of a window."""
+    if n <= cap:
+        return n * (n - 1) // 2
+    return cap * (cap - 1) // 2 + (n - cap) * cap
+
+
 def attention_pairs(lengths: list[int], kind: str, *, causal: bool, window: int, block_size: int) -> int:
     """Valid (query, key) pairs of self-attention over sequences of the given lengths.
 
     ``kind``: "full", "window" (``window`` keys to the left, and to the right unless causal) or "block"
-    (block-diagonal with blocks of ``block_size`` counted from each sequence's first event).
+    (block-diagonal with blocks of ``block_size`` counted from each sequence's first event). Closed forms
+    per sequence: this runs on the host every training step (for MFU), over hundreds of thousands of
+    events, so it must not loop over tokens.
     """
+    if kind not in ("full", "window", "block"):
+        raise ValueError(f"unknown attention kind {kind!r}")
+
+    def square(w: int) -> int:
+        return w * (w + 1) // 2 if causal else w * w
+
     total = 0
     for n in lengths:
         if kind == "full":
-            total += n * (n + 1) // 2 if causal else n * n
+            total += square(n)
         elif kind == "window":
-            left, right = window, 0 if causal else window
-            for i in range(n):
-                total += min(i, left) + min(n - 1 - i, right) + 1
-        elif kind == "block":
-            full, rest = divmod(n, block_size)
-            for w in [block_size] * full + ([rest] if rest else []):
-                total += w * (w + 1) // 2 if causal else w * w
+            right = 0 if causal else window
+            # query i sees min(i, left) keys before it, min(n - 1 - i, right) after it, and itself
+            total += _sum_min(n, window) + _sum_min(n, right) + n
         else:
-            raise ValueError(f"unknown attention kind {kind!r}")
+            full, rest = divmod(n, block_size)
+            total += full * square(block_size) + square(rest)
     return total
 
 
