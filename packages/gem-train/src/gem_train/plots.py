@@ -30,6 +30,7 @@ def plot_curves(rows: list[dict[str, Any]], out_dir: Path, tasks: tuple[str, ...
     train = [r for r in rows if r["split"] == "train"]
     evals = [r for r in rows if r["split"] == "eval"]
     valids = [r for r in rows if r["split"] == "valid"]
+    bests = [r for r in rows if r["split"] == "best_eval" and "best_step" in r]
     written = []
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -56,6 +57,10 @@ def plot_curves(rows: list[dict[str, Any]], out_dir: Path, tasks: tuple[str, ...
         pts = [(r["step"], r[f"{t}/ne"]) for r in evals if f"{t}/ne" in r]
         if pts:
             ax.plot(*zip(*pts), marker="o", linestyle="--", label=f"test {t}")
+        # The test NE of the best-validation checkpoint, drawn at its step.
+        pts = [(r["best_step"], r[f"{t}/ne"]) for r in bests[-1:] if f"{t}/ne" in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="*", markersize=12, linestyle="none", label=f"test {t}, selected")
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("normalized entropy")
