@@ -20,6 +20,7 @@ def test_torchrun_two_process_gloo_smoke(tmp_path):
         "model.overrides.n_layers=1", 'model.overrides.attention="full"',
         "train.steps=4", "train.log_every=2", "train.eval_every=2", "train.progress_bar=false",
         "checkpoint.every=2", f"run.out_dir={tmp_path}",
+        "data.synthetic.valid_examples=128", "train.valid_every=2",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
@@ -37,3 +38,11 @@ def test_torchrun_two_process_gloo_smoke(tmp_path):
     assert state["world_size"] == 2 and len(state["rng_plain"]) == 2
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "train"] == [2, 4]
+    # Model selection across ranks: the validation split is gathered too, and checkpoints/best (written by
+    # both ranks, linked by rank 0) loads into the final test evaluation.
+    valid = [r for r in rows if r["split"] == "valid"]
+    assert [r["step"] for r in valid] == [2, 4] and all(r["ctr/count"] == 128 for r in valid)
+    best = summary["best"]
+    assert best["step"] == min(valid, key=lambda r: r["select_ne"])["step"]
+    assert best["tasks"]["ctr"]["count"] == 192
+    assert read_trainer_state(run / "checkpoints" / "best")["step"] == best["step"]
