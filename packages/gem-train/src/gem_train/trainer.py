@@ -625,12 +625,11 @@ class Trainer:
                 with self._autocast():
                     logits = self.train_model(batch)
                 loss = multitask_loss(logits, batch, self.tasks)
-                loss_value = self._global_value(loss.detach())
-                if math.isfinite(loss_value):
-                    loss.backward()
-                    gnorm = self._clip()
-                else:
-                    gnorm = float("nan")
+                # The backward is queued right behind the forward; the loss and the dense gradient norm are
+                # then read together: one host sync per step, before the optimizer step that the NaN policy
+                # may have to skip (a non-finite loss gives non-finite gradients, dropped below).
+                loss.backward()
+                loss_value, gnorm = self._step_values(loss.detach(), self._clip())
                 step += 1
                 if not (math.isfinite(loss_value) and math.isfinite(gnorm)):
                     what = (
@@ -713,20 +712,25 @@ class Trainer:
             best_eval=best_eval,
         )
 
-    def _global_value(self, x: Tensor) -> float:
-        # Every rank must agree on skipping/stopping: a NaN anywhere is a NaN everywhere.
+    def _step_values(self, loss: Tensor, grad_norm: Tensor) -> tuple[float, float]:
+        """``(loss, grad_norm)`` as floats in one device-to-host copy; the loss averaged over ranks.
+
+        Every rank must agree on skipping/stopping: a NaN anywhere is a NaN everywhere. The gradient norm
+        is the same on every rank after DDP's all-reduce, so averaging it changes nothing."""
+        x = torch.stack([loss.float(), grad_norm.to(loss.device, torch.float32)])
         if self.dist.world_size > 1:
-            x = x.clone()
             dist.all_reduce(x, op=dist.ReduceOp.SUM)
             x = x / self.dist.world_size
-        return float(x.item())
+        loss_value, norm = x.tolist()
+        return loss_value, norm
 
-    def _clip(self) -> float:
+    def _clip(self) -> Tensor:
+        """Clip the dense gradients (``optim.grad_clip``; 0 = no clipping) and return their total norm."""
         params = [p for p in self.dense_params if p.grad is not None]
         if not params:
-            return 0.0
+            return torch.zeros((), device=self.device)
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def _handle_non_finite(self, step: int, what: str) -> None:
         ck = self.last_checkpoint
