@@ -251,17 +251,17 @@ def _mx_mm_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     NSUB: tl.constexpr = BK // BLOCK
     for k0 in range(0, K, BK):
-        if BF16_DOT:
-            for j in tl.static_range(NSUB):
-                rk = k0 + j * BLOCK + tl.arange(0, BLOCK)
-                a = tl.load(a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak,
-                            mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # fmt: skip
-                b = tl.load(b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                            mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)  # fmt: skip
-                kb = (k0 + j * BLOCK) // BLOCK
-                kin = k0 + j * BLOCK < K
-                sa = tl.load(as_ptr + sm * stride_asm + kb * stride_ask, mask=(rm < M) & kin, other=127)
-                sb = tl.load(bs_ptr + kb * stride_bsk + sn * stride_bsn, mask=(rn < N) & kin, other=127)
+        for j in tl.static_range(NSUB):
+            rk = k0 + j * BLOCK + tl.arange(0, BLOCK)
+            a = tl.load(a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # fmt: skip
+            b = tl.load(b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                        mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)  # fmt: skip
+            kb = (k0 + j * BLOCK) // BLOCK
+            kin = k0 + j * BLOCK < K
+            sa = tl.load(as_ptr + sm * stride_asm + kb * stride_ask, mask=(rm < M) & kin, other=127)
+            sb = tl.load(bs_ptr + kb * stride_bsk + sn * stride_bsn, mask=(rn < N) & kin, other=127)
+            if BF16_DOT:
                 # One scale per row of the A slice and per column of the B slice: a broadcast multiply.
                 a32 = a.to(tl.float32) * e8m0_to_f32(sa.to(tl.int32))[:, None]
                 b32 = b.to(tl.float32) * e8m0_to_f32(sb.to(tl.int32))[None, :]
@@ -269,17 +269,7 @@ def _mx_mm_kernel(
                     acc = tl.dot(a32, b32, acc, input_precision="ieee")
                 else:
                     acc = tl.dot(a32.to(tl.bfloat16), b32.to(tl.bfloat16), acc)
-        else:
-            for j in tl.static_range(NSUB):
-                rk = k0 + j * BLOCK + tl.arange(0, BLOCK)
-                a = tl.load(a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak,
-                            mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # fmt: skip
-                b = tl.load(b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                            mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)  # fmt: skip
-                kb = (k0 + j * BLOCK) // BLOCK
-                kin = k0 + j * BLOCK < K
-                sa = tl.load(as_ptr + sm * stride_asm + kb * stride_ask, mask=(rm < M) & kin, other=127)
-                sb = tl.load(bs_ptr + kb * stride_bsk + sn * stride_bsn, mask=(rn < N) & kin, other=127)
+            else:
                 p = tl.dot(a, b)
                 acc += p * (e8m0_to_f32(sa.to(tl.int32))[:, None] * e8m0_to_f32(sb.to(tl.int32))[None, :])
     c = acc.to(c_ptr.dtype.element_ty)
