@@ -14,29 +14,13 @@ from gem_train.trainer import NonFiniteLossError, Trainer
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-# Small and fast: 16 examples per batch, one layer, short histories, a small evaluation split.
-SMALL = [
-    "data.batch_size=16",
-    "data.eval_batch_size=128",
-    "data.synthetic.eval_examples=128",
-    "model.overrides.n_layers=1",
-    'model.overrides.attention="full"',
-    "data.synthetic.max_len=16",
-    "data.synthetic.num_users=500",
-    "data.synthetic.num_items=300",
-    "train.log_every=2",
-    "train.progress_bar=false",
-    "optim.warmup_steps=2",
-]
 
-
-def _cfg(tmp_path, *extra):
-    return load_config("tiny-cpu", [*SMALL, f"run.out_dir={tmp_path}", *extra])
-
-
-def test_default_command_end_to_end(tmp_path, capsys):
+def test_default_command_end_to_end(tmp_path, capsys, small_overrides):
     # `gem-train` itself is `gem-train train` with tiny-cpu; here with a small step count.
-    assert main(["train", *SMALL, "train.steps=4", "train.eval_every=2", f"run.out_dir={tmp_path}"]) == 0
+    assert (
+        main(["train", *small_overrides, "train.steps=4", "train.eval_every=2", f"run.out_dir={tmp_path}"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "ctr: NE" in out and "cvr: NE" in out and "ground-truth NE floor" in out
     run = next(tmp_path.iterdir())
@@ -62,16 +46,16 @@ def test_default_command_end_to_end(tmp_path, capsys):
     assert load_config(run / "config.toml").train.steps == 4
 
 
-def test_resume_gives_exactly_the_same_losses(tmp_path):
+def test_resume_gives_exactly_the_same_losses(tmp_path, small_config):
     steps = ["train.steps=6", "checkpoint.every=0"]
-    full = Trainer(_cfg(tmp_path / "a", *steps)).fit()
+    full = Trainer(small_config(tmp_path / "a", *steps)).fit()
     assert full.status == "completed" and len(full.losses) == 6
 
-    first = Trainer(_cfg(tmp_path / "b", *steps)).fit(stop_after=3)
+    first = Trainer(small_config(tmp_path / "b", *steps)).fit(stop_after=3)
     assert first.status == "stopped" and first.last_checkpoint.name == "step_00000003"
     # "latest": the newest checkpoint of this config's runs (a decoy run of another name is ignored).
     (tmp_path / "b" / "tiny-cpu-baseline-20991231-000000" / "checkpoints").mkdir(parents=True)
-    second = Trainer(_cfg(tmp_path / "b", *steps), resume="latest").fit()
+    second = Trainer(small_config(tmp_path / "b", *steps), resume="latest").fit()
     assert second.status == "completed" and second.run_dir == first.run_dir
     # Bit-for-bit: same data position, weights, optimizer states, LR schedule and RNG.
     assert first.losses + second.losses == full.losses
@@ -94,9 +78,9 @@ def _poison(monkeypatch, bad_index):
     monkeypatch.setattr(SyntheticAds, "get", get)
 
 
-def test_nan_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+def test_nan_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path, monkeypatch, small_config):
     _poison(monkeypatch, bad_index=3)
-    tr = Trainer(_cfg(tmp_path, "train.steps=6", "checkpoint.every=2"))
+    tr = Trainer(small_config(tmp_path, "train.steps=6", "checkpoint.every=2"))
     with pytest.raises(
         NonFiniteLossError, match=r"loss nan at step 4.*last good checkpoint is .*step_00000002"
     ):
@@ -104,9 +88,9 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path, monk
     assert [p.name for p in list_checkpoints(tr.run.checkpoints)] == ["step_00000002"]
 
 
-def test_nan_loss_skip_policy(tmp_path, monkeypatch):
+def test_nan_loss_skip_policy(tmp_path, monkeypatch, small_config):
     _poison(monkeypatch, bad_index=1)
-    res = Trainer(_cfg(tmp_path, "train.steps=4", "train.nan_policy=skip")).fit()
+    res = Trainer(small_config(tmp_path, "train.steps=4", "train.nan_policy=skip")).fit()
     assert res.status == "completed" and len(res.losses) == 3 and all(math.isfinite(x) for x in res.losses)
 
 
@@ -120,8 +104,8 @@ def test_cli_errors(tmp_path, capsys):
     assert "steps = 9" in capsys.readouterr().out
 
 
-def test_eval_command_on_a_checkpoint(tmp_path, capsys):
-    res = Trainer(_cfg(tmp_path, "train.steps=2")).fit()
+def test_eval_command_on_a_checkpoint(tmp_path, capsys, small_config):
+    res = Trainer(small_config(tmp_path, "train.steps=2")).fit()
     assert main(["eval", "--checkpoint", str(res.last_checkpoint)]) == 0
     out = capsys.readouterr().out
     # The same numbers as the run's own final evaluation.

@@ -10,30 +10,24 @@ import pytest
 import gem_train.trainer as trainer_mod
 from gem_train.checkpoint import read_trainer_state
 from gem_train.cli import main
-from gem_train.config import ConfigError, load_config
+from gem_train.config import ConfigError
 from gem_train.trainer import Trainer
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-SMALL = [
-    "data.batch_size=16",
+# On top of the conftest's small run: a validation stream and smaller evaluation splits, no periodic
+# checkpoints (the best checkpoint is written by the selection itself).
+SELECTION = (
     "data.eval_batch_size=64",
     "data.synthetic.eval_examples=96",
     "data.synthetic.valid_examples=96",
-    "model.overrides.n_layers=1",
-    'model.overrides.attention="full"',
-    "data.synthetic.max_len=16",
-    "data.synthetic.num_users=500",
-    "data.synthetic.num_items=300",
-    "train.log_every=2",
-    "train.progress_bar=false",
-    "optim.warmup_steps=2",
     "checkpoint.every=0",
-]
+)
 
 
-def _cfg(tmp_path, *extra):
-    return load_config("tiny-cpu", [*SMALL, f"run.out_dir={tmp_path}", *extra])
+@pytest.fixture
+def selection_config(small_config):
+    return lambda out_dir, *extra: small_config(out_dir, *SELECTION, *extra)
 
 
 def _rows(run_dir, split):
@@ -41,12 +35,14 @@ def _rows(run_dir, split):
     return [r for r in rows if r["split"] == split]
 
 
-def test_best_checkpoint_is_the_argmin_of_a_controlled_validation_metric(tmp_path, monkeypatch, capsys):
+def test_best_checkpoint_is_the_argmin_of_a_controlled_validation_metric(
+    tmp_path, monkeypatch, capsys, selection_config
+):
     # The selection value is controlled (a tie at step 4 keeps the earlier step 2); the real validation
     # metrics are still computed and logged, which shows that checkpoints/best holds the weights of step 2.
     values = {1: 0.9, 2: 0.7, 3: 0.8, 4: 0.7, 5: 0.95}
     monkeypatch.setattr(trainer_mod, "selection_value", lambda ev, task: values[ev.step])
-    res = Trainer(_cfg(tmp_path, "train.steps=5", "train.valid_every=1")).fit()
+    res = Trainer(selection_config(tmp_path, "train.steps=5", "train.valid_every=1")).fit()
     assert res.best_step == 2 and res.best_valid_ne == 0.7
     ck = res.run_dir / "checkpoints"
     assert res.best_checkpoint == ck / "best" and (ck / "best").resolve().name == "best_step_00000002"
@@ -72,8 +68,10 @@ def test_best_checkpoint_is_the_argmin_of_a_controlled_validation_metric(tmp_pat
     assert "test split" in out and f"NE {res.best_eval.tasks['ctr'].ne:.4f}" in out
 
 
-def test_selection_on_the_mean_ne_picks_the_argmin_of_the_logged_values(tmp_path):
-    res = Trainer(_cfg(tmp_path, "train.steps=6", "train.valid_every=2", "train.select_task=mean")).fit()
+def test_selection_on_the_mean_ne_picks_the_argmin_of_the_logged_values(tmp_path, selection_config):
+    res = Trainer(
+        selection_config(tmp_path, "train.steps=6", "train.valid_every=2", "train.select_task=mean")
+    ).fit()
     valid = _rows(res.run_dir, "valid")
     assert [r["step"] for r in valid] == [2, 4, 6]
     means = [(r["ctr/ne"] + r["cvr/ne"]) / 2 for r in valid]
@@ -83,27 +81,37 @@ def test_selection_on_the_mean_ne_picks_the_argmin_of_the_logged_values(tmp_path
     assert read_trainer_state(res.best_checkpoint)["step"] == res.best_step
 
 
-def test_resume_keeps_the_best_checkpoint_and_the_same_selection(tmp_path):
+def test_resume_keeps_the_best_checkpoint_and_the_same_selection(tmp_path, selection_config):
     steps = ["train.steps=6", "train.valid_every=2"]
-    full = Trainer(_cfg(tmp_path / "a", *steps)).fit()
-    first = Trainer(_cfg(tmp_path / "b", *steps)).fit(stop_after=3)
+    full = Trainer(selection_config(tmp_path / "a", *steps)).fit()
+    first = Trainer(selection_config(tmp_path / "b", *steps)).fit(stop_after=3)
     assert first.best_step == 2 and first.best_eval is None
-    second = Trainer(_cfg(tmp_path / "b", *steps), resume="latest").fit()
+    second = Trainer(selection_config(tmp_path / "b", *steps), resume="latest").fit()
     assert first.losses + second.losses == full.losses
     assert (second.best_step, second.best_valid_ne) == (full.best_step, full.best_valid_ne)
     assert second.best_eval.tasks["ctr"].ne == full.best_eval.tasks["ctr"].ne
 
 
-def test_selection_config_errors(tmp_path, capsys):
+def test_selection_config_errors(tmp_path, capsys, selection_config, small_overrides):
     with pytest.raises(ConfigError, match=r"train.valid_every = 2 needs a validation split.*valid_examples"):
-        Trainer(_cfg(tmp_path, "train.valid_every=2", "data.synthetic.valid_examples=0"))
+        Trainer(selection_config(tmp_path, "train.valid_every=2", "data.synthetic.valid_examples=0"))
     with pytest.raises(ConfigError, match=r"train.select_task = 'clicks' is not a task.*ctr, cvr"):
-        Trainer(_cfg(tmp_path, "train.valid_every=2", "train.select_task=clicks"))
+        Trainer(selection_config(tmp_path, "train.valid_every=2", "train.select_task=clicks"))
     assert (
-        main(["train", *SMALL, f"run.out_dir={tmp_path}", "train.valid_every=1", "train.select_task=x"]) == 2
+        main(
+            [
+                "train",
+                *small_overrides,
+                *SELECTION,
+                f"run.out_dir={tmp_path}",
+                "train.valid_every=1",
+                "train.select_task=x",
+            ]
+        )
+        == 2
     )
     assert "config error: train.select_task = 'x'" in capsys.readouterr().err
-    res = Trainer(_cfg(tmp_path, "train.steps=1")).fit()
+    res = Trainer(selection_config(tmp_path, "train.steps=1")).fit()
     assert res.best_step is None and res.best_eval is None
     assert main(["eval", "--checkpoint", str(res.last_checkpoint), "--split", "valid"]) == 0
     assert main(["eval", "--checkpoint", str(res.last_checkpoint), "--split", "valid",
@@ -111,13 +119,15 @@ def test_selection_config_errors(tmp_path, capsys):
     assert "has no validation split" in capsys.readouterr().err
 
 
-def test_resume_before_the_best_step_drops_that_best_and_finds_it_again(tmp_path):
+def test_resume_before_the_best_step_drops_that_best_and_finds_it_again(tmp_path, selection_config):
     steps = ["train.steps=6", "train.valid_every=3", "checkpoint.every=2"]
-    full = Trainer(_cfg(tmp_path / "a", *steps)).fit()
-    first = Trainer(_cfg(tmp_path / "b", *steps)).fit(stop_after=3)
+    full = Trainer(selection_config(tmp_path / "a", *steps)).fit()
+    first = Trainer(selection_config(tmp_path / "b", *steps)).fit(stop_after=3)
     assert first.best_step == 3
     # Resuming at step 2: the best of step 3 belongs to the future this run recomputes; it is dropped.
-    tr = Trainer(_cfg(tmp_path / "b", *steps), resume=first.run_dir / "checkpoints" / "step_00000002")
+    tr = Trainer(
+        selection_config(tmp_path / "b", *steps), resume=first.run_dir / "checkpoints" / "step_00000002"
+    )
     assert tr.best is None and not (first.run_dir / "checkpoints" / "best").exists()
     second = tr.fit()
     assert (second.best_step, second.best_valid_ne) == (full.best_step, full.best_valid_ne)
