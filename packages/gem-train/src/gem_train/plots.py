@@ -21,6 +21,21 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """Label, grid and legend ``ax``, write ``fig`` to ``path`` (PNG) and close it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_curves(rows: list[dict[str, Any]], out_dir: Path, tasks: tuple[str, ...]) -> list[Path]:
     """``loss.png`` (train loss by step) and ``ne.png`` (train, validation and test NE per task) from metrics
     rows."""
@@ -36,41 +51,27 @@ def plot_curves(rows: list[dict[str, Any]], out_dir: Path, tasks: tuple[str, ...
     fig, ax = plt.subplots(figsize=(6, 4))
     if train:
         ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (mean BCE over tasks)")
-    ax.set_title("training loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "loss.png", dpi=100)
-    plt.close(fig)
-    written.append(out_dir / "loss.png")
+    written.append(_save(plt, fig, ax, out_dir / "loss.png", "step", "loss (mean BCE over tasks)",
+                         "training loss"))  # fmt: skip
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    series = (
+        (train, "train", {}),
+        (valids, "valid", {"marker": ".", "linestyle": ":"}),
+        (evals, "test", {"marker": "o", "linestyle": "--"}),
+    )
     for t in tasks:
-        pts = [(r["step"], r[f"{t}/ne"]) for r in train if f"{t}/ne" in r]
-        if pts:
-            ax.plot(*zip(*pts), label=f"train {t}")
-        pts = [(r["step"], r[f"{t}/ne"]) for r in valids if f"{t}/ne" in r]
-        if pts:
-            ax.plot(*zip(*pts), marker=".", linestyle=":", label=f"valid {t}")
-        pts = [(r["step"], r[f"{t}/ne"]) for r in evals if f"{t}/ne" in r]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", linestyle="--", label=f"test {t}")
+        for split_rows, split, style in series:
+            pts = [(r["step"], r[f"{t}/ne"]) for r in split_rows if f"{t}/ne" in r]
+            if pts:
+                ax.plot(*zip(*pts), label=f"{split} {t}", **style)
         # The test NE of the best-validation checkpoint, drawn at its step.
         pts = [(r["best_step"], r[f"{t}/ne"]) for r in bests[-1:] if f"{t}/ne" in r]
         if pts:
             ax.plot(*zip(*pts), marker="*", markersize=12, linestyle="none", label=f"test {t}, selected")
     ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("normalized entropy")
-    ax.set_title("NE (lower is better; 1 = predicting the base rate)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "ne.png", dpi=100)
-    plt.close(fig)
-    written.append(out_dir / "ne.png")
+    written.append(_save(plt, fig, ax, out_dir / "ne.png", "step", "normalized entropy",
+                         "NE (lower is better; 1 = predicting the base rate)"))  # fmt: skip
     return written
 
 
@@ -90,15 +91,7 @@ def plot_reliability(
         mean_p, rate, count = reliability_bins(p, y, n_bins)
         ok = count > 0
         ax.plot(mean_p[ok], rate[ok], marker="o", label=f"{task} (n={int(count.sum())})")
-    ax.set_xlabel("mean predicted probability")
-    ax.set_ylabel("observed positive rate")
-    ax.set_title("reliability (evaluation split)")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, ax, path, "mean predicted probability", "observed positive rate",
+                 "reliability (evaluation split)")  # fmt: skip
