@@ -233,33 +233,25 @@ def main() -> None:
     for name, act, lq, lk, causal, window, odt in edge_cases():
         results.append(run_case(name, act, lq, lk, causal, window, torch.float32, offsets_dtype=odt))
     # Strided (non-contiguous) q, k, v: the kernels read them in place.
+    strided = (
+        ("softmax-cross", "softmax", [40, 3, 0, 33], [5, 0, 9, 1]),
+        ("silu-pma", "silu", [4, 1, 7, 0], [70, 35, 0, 12]),
+    )
     for variant in ("tiled", "onetile"):
-        results.append(
-            run_case(
-                f"strided-softmax-cross-{variant}",
-                "softmax",
-                [40, 3, 0, 33],
-                [5, 0, 9, 1],
-                False,
-                None,
-                torch.float32,
-                variant=variant,
-                strided=True,
+        for name, act, lq, lk in strided:
+            results.append(
+                run_case(
+                    f"strided-{name}-{variant}",
+                    act,
+                    lq,
+                    lk,
+                    False,
+                    None,
+                    torch.float32,
+                    variant=variant,
+                    strided=True,
+                )
             )
-        )
-        results.append(
-            run_case(
-                f"strided-silu-pma-{variant}",
-                "silu",
-                [4, 1, 7, 0],
-                [70, 35, 0, 12],
-                False,
-                None,
-                torch.float32,
-                variant=variant,
-                strided=True,
-            )
-        )
     results.append(
         run_case(
             "strided-gelu-self-causal", "gelu", SELF_LENGTHS, None, True, None, torch.float32, strided=True
