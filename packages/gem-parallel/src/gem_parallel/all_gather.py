@@ -135,7 +135,9 @@ class QuantizedAllGatherWeight(torch.Tensor):
         data, scale = all_gather_outputs
         weight = dequantize_gathered(data, scale, self._fmt, param_dtype)
         if out is not None:
-            with torch.no_grad():
+            # FSDP re-gathers into the buffer backward saved from forward: the same values, so the
+            # version counter must not move (as FSDP2's own copy-out does).
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
                 out.copy_(weight)
             return None
         return weight, (weight,)

@@ -103,10 +103,12 @@ def _selective(module: nn.Module, *args, **kwargs):
 
 
 def _budgeted(module: nn.Module, *args, **kwargs):
-    budget = module._gem_region.budget
+    # The budget travels as text: dynamo specialises strings, while a float attribute may be traced as a
+    # symbolic float, which the region annotation cannot take.
+    budget = module._gem_region.budget_text
     if budget is None:  # torch < 2.13: the global knob, set once
         return module._gem_region.forward(module, *args, **kwargs)
-    with torch.autograd.graph.region_activation_memory_budget(budget):
+    with torch.autograd.graph.region_activation_memory_budget(float(budget)):
         return module._gem_region.forward(module, *args, **kwargs)
 
 
@@ -126,6 +128,7 @@ class _Region:
     def __init__(self, name: str, forward: Callable, policy: str, compile: bool, planner: _BudgetPlanner | None):
         self.name, self.forward, self.policy, self.planner = name, forward, policy, planner
         self.budget: float | None = None
+        self.budget_text: str | None = None
         self.run = _compiled(policy) if compile else _POLICY_FUNCTIONS[policy]
 
     def __call__(self, module: nn.Module, *args, **kwargs):
@@ -240,6 +243,7 @@ class _BudgetPlanner:
         budgets = allocate_region_budgets({n: tuple(v) for n, v in zip(self.names, values)}, self.budget)
         for name, b in budgets.items():
             self.regions[name].budget = b
+            self.regions[name].budget_text = repr(b)
         self.ready = True
 
     @property
