@@ -15,14 +15,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dense_helpers import build_model, full, rank_slices, small_config  # noqa: E402
+from dense_helpers import build_model, full, rank_slices, small_config
 
-import gem_model as gm  # noqa: E402
-from gem_parallel import CollectiveBytes, FSDPConfig, ParallelConfig, ParallelDims, parallelize  # noqa: E402
-from gem_parallel.all_gather import QuantizedAllGatherWeight, dequantize_gathered  # noqa: E402
-from gem_parallel.testing import run_distributed  # noqa: E402
-
-from gem_precision import quantize_rowwise, to_mx  # noqa: E402
+import gem_model as gm
+from gem_parallel import CollectiveBytes, FSDPConfig, ParallelConfig, ParallelDims, parallelize
+from gem_parallel.all_gather import QuantizedAllGatherWeight, dequantize_gathered
+from gem_parallel.testing import run_distributed
+from gem_precision import quantize_rowwise, to_mx
 
 WIDE = {"d_model": 256, "embedding_dim": 32, "wukong_hidden": 512, "ffn_hidden": 512, "head_dim": 128,
         "head_hidden": (64,), "wukong_rank": 32}  # fmt: skip
@@ -96,7 +95,11 @@ def test_8bit_all_gather_bytes_weights_and_loss():
             # few percent of parameters (norms, biases, small weights) still move in bf16.
             assert ratio <= 0.53, (fmt, ratio)
             assert r[fmt]["calls"] == r["bf16"]["calls"]  # same units, same schedule
-            assert r[fmt]["wrapped"] and r[fmt]["gathered_exact"] and r[fmt]["gathered_dtype"] == "torch.bfloat16"
+            assert (
+                r[fmt]["wrapped"]
+                and r[fmt]["gathered_exact"]
+                and r[fmt]["gathered_dtype"] == "torch.bfloat16"
+            )
             # FP8 tolerance: E4M3 weights carry a relative error <= 2^-4 per element (bf16: 2^-8); over
             # this model the loss moves by ~1e-3 (measured). 2e-2 relative to the bf16 run's loss is the
             # FP8 budget; a broken gather (wrong scales, rows or dtype) moves it by O(1) or makes it NaN.

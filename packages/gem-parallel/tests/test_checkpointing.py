@@ -25,17 +25,16 @@ from torch import nn
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dense_helpers import build_model, max_rel_diff, small_config  # noqa: E402
+from dense_helpers import build_model, max_rel_diff, small_config
 
-import gem_model as gm  # noqa: E402
-from gem_parallel import allocate_region_budgets, retained_bytes, saved_tensor_bytes  # noqa: E402
-from gem_parallel.checkpointing import (  # noqa: E402
+import gem_model as gm
+from gem_parallel import allocate_region_budgets, retained_bytes, saved_tensor_bytes
+from gem_parallel.checkpointing import (
     apply_activation_checkpointing,
     apply_saved_activation_compression,
     check_no_dropout,
     has_region_budgets,
 )
-
 
 
 def _assert_fp8_close(grads: dict, ref: dict) -> None:
@@ -187,3 +186,21 @@ def test_budget_guards_random_ops():
         apply_activation_checkpointing(stack, "budget", compile=True, memory_budget=0.5)
         with pytest.raises(RuntimeError, match="190758"):
             stack(torch.randn(8, 64))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_region_budgets(), reason="per-region budgets need torch >= 2.13")
+def test_budget_on_gem_model(gem_setup):
+    # ~2 min on the CPU (inductor compiles both layer kinds twice): the GEM layers under a 0.3 budget.
+    base, batch = gem_setup
+    ref_grads, ref_held, _ = _grads_and_memory(base, batch)
+    compiled = copy.deepcopy(base)
+    apply_activation_checkpointing(compiled, "none", compile=True)
+    _, compiled_held, _ = _grads_and_memory(compiled, batch)
+    model = copy.deepcopy(base)
+    info = apply_activation_checkpointing(model, "budget", compile=True, memory_budget=0.3)
+    for _ in range(3):
+        grads, held, _ = _grads_and_memory(model, batch)
+    assert info["planner"].ready and set(info["planner"].budgets) == {"layers.0", "layers.1"}
+    assert max(max_rel_diff(grads[n], ref_grads[n]) for n in grads) <= 1e-5
+    assert held < 0.6 * compiled_held < ref_held, (held, compiled_held, ref_held)

@@ -23,11 +23,18 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dense_helpers import build_model, full, max_rel_diff, rank_slices, reference_loss, small_config  # noqa: E402
+from dense_helpers import (
+    build_model,
+    full,
+    max_rel_diff,
+    rank_slices,
+    reference_loss,
+    small_config,
+)
 
-import gem_model as gm  # noqa: E402
-from gem_parallel import FSDPConfig, ParallelConfig, ParallelDims, parallelize  # noqa: E402
-from gem_parallel.testing import run_distributed  # noqa: E402
+import gem_model as gm
+from gem_parallel import FSDPConfig, ParallelConfig, ParallelDims, parallelize
+from gem_parallel.testing import run_distributed
 
 LOSS_TOL = 1e-5
 TOL = 1e-4

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dense_helpers import build_model, small_config  # noqa: E402
+from dense_helpers import build_model, small_config
 
-from gem_parallel import FSDPConfig, ParallelConfig, ParallelDims, parallelize  # noqa: E402
-from gem_parallel.testing import run_distributed  # noqa: E402
+from gem_parallel import FSDPConfig, ParallelConfig, ParallelDims, parallelize
+from gem_parallel.testing import run_distributed
 
 
 class _DropoutStack(nn.Module):
@@ -33,9 +33,12 @@ CASES = {
         lambda: build_model(small_config(n_experts=3)), {"ep": 2}, {"expert_parallel": True},
         "ep=2 does not divide the ensemble's n_experts=3",
     ),
-    "ep_without_expert_parallel": (lambda: build_model(small_config()), {"ep": 2}, {}, "expert_parallel=True"),
+    "ep_without_expert_parallel": (
+        lambda: build_model(small_config()), {"ep": 2}, {}, "expert_parallel=True",
+    ),
     "single_expert_ensembles": (
-        lambda: build_model(small_config(n_experts=1)), {"ep": 2}, {"expert_parallel": True}, "does not divide",
+        lambda: build_model(small_config(n_experts=1)), {"ep": 2}, {"expert_parallel": True},
+        "does not divide",
     ),
     "mxfp8_unblockable": (
         lambda: build_model(small_config()), {}, {"all_gather": "mxfp8", "all_gather_min_numel": 1},

@@ -4,11 +4,11 @@ The weights of large linear layers are wrapped (before ``fully_shard``) in :clas
 a tensor subclass that FSDP2 recognises by its extension points:
 
 - ``fsdp_pre_all_gather``: the rank's shard (fp32 master rows ``[R/s, K]``) is quantized to E4M3 and
-  handed to the all-gather as ``uint8`` (gloo has no float8 type; NCCL moves bytes either way) together
-  with its scales. "fp8": one fp32 scale per row (gem-precision ``quantize_rowwise``). "mxfp8": one E8M0
-  scale per 32 elements along K (gem-precision ``to_mx``). FSDP2 shards dim 0 (rows), so row scales and
-  K-blocks never cross a shard boundary: no rank needs another's data to quantize, and the gathered
-  payload is exactly the quantization of the whole weight.
+  handed to the all-gather as ``uint8`` rows (gloo has no float8 type; NCCL moves bytes either way), each
+  followed by its scale bytes. "fp8": one fp32 scale per row (gem-precision ``quantize_rowwise``).
+  "mxfp8": one E8M0 scale per 32 elements along K (gem-precision ``to_mx``). FSDP2 shards dim 0 (rows),
+  so row scales and K-blocks never cross a shard boundary: no rank needs another's data to quantize,
+  and the gathered payload is exactly the quantization of the whole weight.
 - ``fsdp_post_all_gather``: the gathered bytes are dequantized into the unsharded weight in FSDP's
   ``param_dtype``. Backward sees that weight as it is (the straight-through estimator of torchao's
   float8 all-gather); gradients reduce-scatter in ``reduce_dtype`` into the fp32 master as usual.
@@ -17,9 +17,9 @@ Bytes per element gathered: 1 + 4/K ("fp8") or 1 + 1/32 ("mxfp8"), against 2 for
 
 Limits (checked on every rank before any collective, see :func:`check_quantized_all_gather`): 2-D
 ``nn.Linear`` weights of at least ``min_numel`` elements; their rows must split evenly over the shard group
-(FSDP2 pads uneven shards, and its extension API then admits only one all-gather input of the padded shard
-size, leaving no room for the scales); "mxfp8" also needs K divisible by 32, so every block is whole. Other
-parameters keep FSDP's own all-gather.
+(FSDP2 pads uneven shards, and its extension API then admits only all-gather inputs of exactly the padded
+shard's shape, leaving no room for the scales); "mxfp8" also needs K divisible by 32, so every block is
+whole. Other parameters keep FSDP's own all-gather.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ class QuantizedAllGatherWeight(torch.Tensor):
     def __new__(cls, tensor: torch.Tensor, fmt: str):
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
-            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad,
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
+            requires_grad=tensor.requires_grad,
         )  # fmt: skip
 
     def __init__(self, tensor: torch.Tensor, fmt: str) -> None:
@@ -112,15 +113,18 @@ class QuantizedAllGatherWeight(torch.Tensor):
     # -- FSDP2 extension points ---------------------------------------------------------------------------
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """Quantize this rank's shard ``[r, K]``: returns ``((data uint8 [r, K], scale), metadata)`` with
-        ``scale`` fp32 ``[r, 1]`` ("fp8") or uint8 E8M0 ``[r, K/32]`` ("mxfp8")."""
+        """Quantize this rank's shard ``[r, K]`` into one ``uint8 [r, K + s]`` all-gather input: each row's
+        K E4M3 bytes followed by its ``s`` scale bytes (fp32 row scale: ``s = 4``; E8M0 block scales:
+        ``s = K / 32``). One input keeps rows and their scales together, whatever FSDP2's path (its
+        one-rank path copies a single input)."""
         shard = self._tensor
         if self._fmt == "fp8":
             data, scale = quantize_rowwise(shard, _E4M3)
         else:
             mx = to_mx(shard, axis=-1, block_size=MX_BLOCK, elem_dtype=_E4M3, scale_mode="rceil")
             data, scale = mx.data, mx.scale
-        return (data.view(torch.uint8), scale.contiguous()), None
+        scale_bytes = scale.contiguous().view(torch.uint8).reshape(shard.shape[0], -1)
+        return (torch.cat([data.view(torch.uint8), scale_bytes], dim=1),), None
 
     def fsdp_post_all_gather(
         self,
@@ -130,9 +134,12 @@ class QuantizedAllGatherWeight(torch.Tensor):
         *,
         out: torch.Tensor | None = None,
     ):
-        """Dequantize the gathered ``(data [N, K] uint8, scale)`` into the unsharded weight ``[N, K]``
-        of ``param_dtype`` (written into ``out`` when FSDP reuses its buffer)."""
-        data, scale = all_gather_outputs
+        """Dequantize the gathered rows ``uint8 [N, K + s]`` into the unsharded weight ``[N, K]`` of
+        ``param_dtype`` (written into ``out`` when FSDP reuses its buffer)."""
+        (packed,) = all_gather_outputs
+        k = self.shape[1]
+        data, scale_bytes = packed[:, :k], packed[:, k:].contiguous()
+        scale = scale_bytes.view(torch.float32) if self._fmt == "fp8" else scale_bytes
         weight = dequantize_gathered(data, scale, self._fmt, param_dtype)
         if out is not None:
             # FSDP re-gathers into the buffer backward saved from forward: the same values, so the
@@ -143,8 +150,11 @@ class QuantizedAllGatherWeight(torch.Tensor):
         return weight, (weight,)
 
 
-def dequantize_gathered(data: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
-    """The weight ``[N, K]`` of ``dtype`` from gathered E4M3 bytes ``data [N, K]`` uint8 and ``scale``."""
+def dequantize_gathered(
+    data: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight ``[N, K]`` of ``dtype`` from E4M3 bytes ``data [N, K]`` uint8 and ``scale`` (fp32
+    ``[N, 1]`` for "fp8", uint8 E8M0 ``[N, K/32]`` for "mxfp8")."""
     values = data.view(_E4M3)
     if fmt == "fp8":
         return (values.to(torch.float32) * scale).to(dtype)
@@ -167,7 +177,9 @@ def quantized_all_gather_targets(
     ]
 
 
-def check_quantized_all_gather(targets: list[tuple[str, nn.Linear]], fmt: str, shard_sizes: dict[str, int]) -> None:
+def check_quantized_all_gather(
+    targets: list[tuple[str, nn.Linear]], fmt: str, shard_sizes: dict[str, int]
+) -> None:
     """Raises ``ValueError`` naming the first weight that cannot take the ``fmt`` all-gather.
 
     Args:
@@ -189,8 +201,9 @@ def check_quantized_all_gather(targets: list[tuple[str, nn.Linear]], fmt: str, s
             )
         if fmt == "mxfp8" and k % MX_BLOCK:
             raise ValueError(
-                f"all_gather='mxfp8': {name}.weight [{n}, {k}] cannot be cut into whole {MX_BLOCK}-element MX "
-                f"blocks along K={k}; raise all_gather_min_numel above {linear.weight.numel()} or use 'fp8'"
+                f"all_gather='mxfp8': {name}.weight [{n}, {k}] cannot be cut into whole {MX_BLOCK}-element "
+                f"MX blocks along K={k}; raise all_gather_min_numel above {linear.weight.numel()} "
+                "or use 'fp8'"
             )
 
 

@@ -1,4 +1,5 @@
-"""Activation checkpointing per layer (full, selective, memory budget), per-layer compile, FP8 saved activations.
+"""Activation checkpointing per layer (full, selective, memory budget), per-layer compile, FP8 saved
+activations.
 
 Every entry of ``model.layers`` becomes a *region*: its class is swapped for a subclass whose ``forward``
 runs the original one under the chosen policy (as FSDP2 swaps classes: parameter names, ``isinstance`` and
@@ -37,9 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "ROOFLINE_FLOPS_PER_BYTE",
@@ -76,7 +77,7 @@ def has_region_budgets() -> bool:
 def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save the outputs of matmuls and attention kernels (expensive to recompute, per byte), recompute
     the rest (pointwise ops, norms, reductions: cheap, and most of the bytes)."""
-    if op in _MATMULS or "attention" in op.name() and not op.name().startswith("aten::"):
+    if op in _MATMULS or ("attention" in op.name() and not op.name().startswith("aten::")):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -125,7 +126,9 @@ def _compiled(policy: str) -> Callable:
 class _Region:
     """How one layer runs: its original forward, policy, compile flag and (with "budget") budget."""
 
-    def __init__(self, name: str, forward: Callable, policy: str, compile: bool, planner: _BudgetPlanner | None):
+    def __init__(
+        self, name: str, forward: Callable, policy: str, compile: bool, planner: _BudgetPlanner | None
+    ):
         self.name, self.forward, self.policy, self.planner = name, forward, policy, planner
         self.budget: float | None = None
         self.budget_text: str | None = None
@@ -150,7 +153,7 @@ def _region_class(cls: type) -> type:
     return _REGION_CLASSES[cls]
 
 
-# -- memory budgets -------------------------------------------------------------------------------------------
+# -- memory budgets ------------------------------------------------------------------------------------------
 
 
 def allocate_region_budgets(costs: dict[str, tuple[float, float]], budget: float) -> dict[str, float]:
@@ -211,9 +214,9 @@ def _measure(region: _Region, module: nn.Module, args: tuple, kwargs: dict) -> t
         raise RuntimeError("calibration graphs are never backpropagated")
 
     counter = FlopCounterMode(display=False)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), counter:
-        with _RefuseRandom(region.name):
-            region.forward(module, *args, **kwargs)
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    with torch.enable_grad(), hooks, counter, _RefuseRandom(region.name):
+        region.forward(module, *args, **kwargs)
     return float(counter.get_total_flops()) + ROOFLINE_FLOPS_PER_BYTE * nbytes, float(nbytes)
 
 
@@ -236,9 +239,13 @@ class _BudgetPlanner:
         return _full(module, *args, **kwargs)
 
     def _assign(self, device: torch.device) -> None:
-        flat = torch.tensor([v for n in self.names for v in self.costs[n]], dtype=torch.float64, device=device)
+        flat = torch.tensor(
+            [v for n in self.names for v in self.costs[n]], dtype=torch.float64, device=device
+        )
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flat)  # the same budgets on every rank, so the same recomputation (and collectives)
+            dist.all_reduce(
+                flat
+            )  # the same budgets on every rank, so the same recomputation (and collectives)
         values = flat.view(-1, 2).tolist()
         budgets = allocate_region_budgets({n: tuple(v) for n, v in zip(self.names, values)}, self.budget)
         for name, b in budgets.items():
@@ -330,4 +337,3 @@ def apply_saved_activation_compression(model: nn.Module, fmt: str) -> None:
 
     model.register_forward_pre_hook(enter, with_kwargs=True)
     model.register_forward_hook(leave, with_kwargs=True, always_call=True)
-

@@ -1,4 +1,4 @@
-"""``ParallelConfig``: how :func:`gem_parallel.parallelize` transforms a model, typed and checked in one place.
+"""``ParallelConfig``: how :func:`gem_parallel.parallelize` transforms a model, typed, checked in one place.
 
 Every field is validated in ``__post_init__``; an error names the field (``ParallelConfig.all_gather``,
 ``FSDPConfig.param_dtype``, ...). Dtypes may be given as ``torch.dtype`` or as the strings ``"bf16"``,
@@ -34,11 +34,13 @@ _DTYPE_NAMES = {
 
 
 def _as_dtype(owner: str, name: str, value: Any) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype) and value in _DTYPE_NAMES.values():
+    if value is None or (isinstance(value, torch.dtype) and value in _DTYPE_NAMES.values()):
         return value
     if isinstance(value, str) and value in _DTYPE_NAMES:
         return _DTYPE_NAMES[value]
-    raise ValueError(f"{owner}.{name} must be None, bf16, fp16 or fp32 (a torch.dtype or its name), got {value!r}")
+    raise ValueError(
+        f"{owner}.{name} must be None, bf16, fp16 or fp32 (a torch.dtype or its name), got {value!r}"
+    )
 
 
 def _check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -133,7 +135,9 @@ class ParallelConfig:
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
         _check_choice(owner, "all_gather", self.all_gather, ALL_GATHER_FORMATS)
         _check_int(owner, "all_gather_min_numel", self.all_gather_min_numel, 1)
-        _check_choice(owner, "activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+        _check_choice(
+            owner, "activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING
+        )
         budget = self.memory_budget
         if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0.0 < budget <= 1.0:
             raise ValueError(f"{owner}.memory_budget must be a float in (0, 1], got {budget!r}")
@@ -145,7 +149,9 @@ class ParallelConfig:
                 "set compile=True"
             )
         if self.precision is not None and not hasattr(self.precision, "forward"):
-            raise ValueError(f"{owner}.precision must be a gem_precision.Recipe or None, got {self.precision!r}")
+            raise ValueError(
+                f"{owner}.precision must be a gem_precision.Recipe or None, got {self.precision!r}"
+            )
         if self.embeddings is not None:
             _check_choice(owner, "embeddings", self.embeddings, EMBEDDING_STRATEGIES)
         _check_int(owner, "embedding_sync_every", self.embedding_sync_every, 1)

@@ -99,7 +99,9 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
 
 def _group_batch_sizes(b: int, mesh: DeviceMesh, device: torch.device) -> list[int]:
     sizes = torch.empty(mesh.size(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(sizes, torch.tensor([b], dtype=torch.int64, device=device), group=mesh.get_group())
+    dist.all_gather_into_tensor(
+        sizes, torch.tensor([b], dtype=torch.int64, device=device), group=mesh.get_group()
+    )
     return sizes.tolist()
 
 

@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``) of the dense parameters: one unit per layer, the experts on their own mesh, the root.
+"""FSDP2 (``fully_shard``) of the dense parameters: a unit per layer, the experts on their own mesh, the root.
 
 - Dense parameters are sharded over ``dp_shard`` and, with ``dp_replicate > 1``, replicated over
   ``dp_replicate`` (HSDP: gradients reduce-scatter inside a shard group, then all-reduce across replicas).
@@ -42,8 +42,12 @@ def mixed_precision_policy(config: FSDPConfig) -> MixedPrecisionPolicy:
 
 def _shard_experts(experts: Iterable[nn.Module], mesh: DeviceMesh, config: FSDPConfig) -> list[FSDPModule]:
     return [
-        fully_shard(expert, mesh=mesh, reshard_after_forward=config.reshard_after_forward,
-                    mp_policy=mixed_precision_policy(config))  # fmt: skip
+        fully_shard(
+            expert,
+            mesh=mesh,
+            reshard_after_forward=config.reshard_after_forward,
+            mp_policy=mixed_precision_policy(config),
+        )
         for expert in experts
     ]
 
@@ -71,7 +75,7 @@ def apply_fsdp(
     experts: Sequence[nn.Module] = (),
     ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
-    """``fully_shard`` the experts, each layer of ``model.layers``, the embeddings (unless ignored) and the root.
+    """``fully_shard`` the experts, each layer of ``model.layers``, the embeddings (unless ignored), the root.
 
     Args:
         model: a model with a ``layers`` ModuleDict (or ModuleList) of blocks.

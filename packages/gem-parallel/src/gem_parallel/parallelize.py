@@ -49,7 +49,9 @@ def _sparse_params(model: nn.Module) -> set[nn.Parameter]:
     )
 
 
-def _shard_sizes(model: nn.Module, dims: ParallelDims, config: ParallelConfig, names: list[str]) -> dict[str, int]:
+def _shard_sizes(
+    model: nn.Module, dims: ParallelDims, config: ParallelConfig, names: list[str]
+) -> dict[str, int]:
     """FSDP shard-group size of each named module: experts shard over ``efsdp`` under EP, the rest over
     ``dp_shard``."""
     prefixes = [f"{n}.experts." for n, _ in expert_ensembles(model)] if config.expert_parallel else []
@@ -69,7 +71,9 @@ def _validate(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: Pa
         raise ValueError(f"parallelize: mesh must be ParallelDims.build_mesh's (axes {DENSE_AXES}), got "
                          f"{mesh.mesh_dim_names}")  # fmt: skip
     if mesh.size() != dims.world_size or (dist.is_initialized() and dist.get_world_size() != dims.world_size):
-        raise ValueError(f"parallelize: dims.world_size={dims.world_size} but the mesh has {mesh.size()} ranks")
+        raise ValueError(
+            f"parallelize: dims.world_size={dims.world_size} but the mesh has {mesh.size()} ranks"
+        )
     if config.expert_parallel:
         if not expert_ensembles(model):
             raise ValueError("ParallelConfig.expert_parallel=True but the model has no expert ensembles")
