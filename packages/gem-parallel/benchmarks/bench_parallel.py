@@ -328,7 +328,7 @@ def main() -> None:
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.smoke:
-        args.device, args.config, args.batch_size, args.warmup, args.steps = "cpu", "tiny", 8, 1, 2
+        args.device, args.config, args.batch_size, args.warmup, args.steps = "cpu", "tiny", 8, 2, 2
         args.probe_batches, args.batch_step, args.all_gather_min_numel = "4,8", 4, 4096
         if args.policies is None:
             args.policies = "none,full,selective"  # budget compiles: ask for it to smoke-test it

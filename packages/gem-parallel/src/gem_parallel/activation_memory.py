@@ -16,7 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["retained_bytes", "saved_tensor_bytes"]
+__all__ = ["is_activation", "retained_bytes", "saved_tensor_bytes"]
+
+
+def is_activation(t: torch.Tensor) -> bool:
+    """Whether a tensor saved for backward is an activation (not a parameter or another leaf that
+    requires grad, which stay alive anyway)."""
+    return not (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad))
 
 
 def retained_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tuple[Any, int]:
@@ -44,7 +50,7 @@ def saved_tensor_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
 
     def pack(t: torch.Tensor):
         nonlocal total
-        if not (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)):
+        if is_activation(t):
             storage = t.untyped_storage()
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())

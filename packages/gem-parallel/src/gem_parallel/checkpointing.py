@@ -42,6 +42,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
+from gem_parallel.activation_memory import is_activation
+
 __all__ = [
     "ROOFLINE_FLOPS_PER_BYTE",
     "allocate_region_budgets",
@@ -206,7 +208,7 @@ def _measure(region: _Region, module: nn.Module, args: tuple, kwargs: dict) -> t
 
     def pack(t: torch.Tensor):
         nonlocal nbytes
-        if not (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)):
+        if is_activation(t):
             nbytes += t.numel() * t.element_size()
         return None
 
