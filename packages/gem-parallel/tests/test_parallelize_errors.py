@@ -71,8 +71,10 @@ def _caught_worker(rank: int, world_size: int) -> dict:
 
 def _uncaught_worker(rank: int, world_size: int) -> None:
     dims = ParallelDims(ep=2)
-    parallelize(build_model(small_config(n_experts=3)), dims, dims.build_mesh("cpu"),
-                ParallelConfig(expert_parallel=True))  # fmt: skip
+    mesh = dims.build_mesh("cpu")
+    # The mesh's process groups are set up (a collective): let both ranks finish it before one raises.
+    torch.distributed.barrier()
+    parallelize(build_model(small_config(n_experts=3)), dims, mesh, ParallelConfig(expert_parallel=True))
 
 
 @pytest.mark.distributed
