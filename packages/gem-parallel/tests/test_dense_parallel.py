@@ -1,6 +1,7 @@
 """FSDP (1x4), HSDP (2x2) and expert parallelism (2-way, experts FSDP-sharded) against one process.
 
-One 4-rank launch trains the same small GEM model for two optimizer steps under each layout and compares
+One 4-rank launch trains the same small GEM model for two optimizer steps under each layout (one of them
+with full activation checkpointing, which replays the EP collectives in backward) and compares
 losses, gradients (after step 1) and parameters (after step 2) with a single-process run on the same global
 batch. The EP layouts give the ranks different local batch sizes (ragged, one of them a single sample), so
 the EP padding path runs too.
@@ -39,22 +40,24 @@ from gem_parallel.testing import run_distributed
 LOSS_TOL = 1e-5
 TOL = 1e-4
 LAYOUTS = {
-    # name: (ParallelDims kwargs, per-rank batch sizes)
-    "fsdp_1x4": ({"dp_replicate": 1}, [2, 2, 2, 2]),
-    "hsdp_2x2": ({"dp_replicate": 2}, [3, 1, 2, 2]),
-    "ep2_fsdp4": ({"dp_replicate": 1, "ep": 2}, [3, 1, 2, 4]),  # experts FSDP-sharded over efsdp = 2
-    "ep2_hsdp_2x2": ({"dp_replicate": 2, "ep": 2}, [2, 2, 1, 3]),  # experts replicated over dp_replicate
+    # name: (ParallelDims kwargs, per-rank batch sizes, other ParallelConfig fields)
+    "fsdp_1x4": ({"dp_replicate": 1}, [2, 2, 2, 2], {}),
+    "hsdp_2x2": ({"dp_replicate": 2}, [3, 1, 2, 2], {}),
+    "ep2_fsdp4": ({"dp_replicate": 1, "ep": 2}, [3, 1, 2, 4], {}),  # experts FSDP-sharded over efsdp = 2
+    "ep2_hsdp_2x2": ({"dp_replicate": 2, "ep": 2}, [2, 2, 1, 3], {}),  # experts replicated over dp_replicate
+    # Full checkpointing recomputes the EP collectives in backward (the same order on every rank).
+    "ep2_fsdp4_full_ac": ({"ep": 2}, [2, 3, 2, 1], {"activation_checkpointing": "full"}),
 }
 
 
 def _train(layout: str, rank: int, world_size: int, steps: int = 2) -> dict:
-    dims_kwargs, sizes = LAYOUTS[layout]
+    dims_kwargs, sizes, extra = LAYOUTS[layout]
     dims = ParallelDims(**dims_kwargs)
     mesh = dims.build_mesh("cpu")
     config = small_config(n_experts=2)
     ref = build_model(config)
     model = copy.deepcopy(ref)
-    cfg = ParallelConfig(expert_parallel=dims.ep > 1, fsdp=FSDPConfig(reduce_dtype=None))
+    cfg = ParallelConfig(expert_parallel=dims.ep > 1, fsdp=FSDPConfig(reduce_dtype=None), **extra)
     model = parallelize(model, dims, mesh, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
@@ -94,7 +97,7 @@ def _layouts_worker(rank: int, world_size: int) -> dict:
 def test_fsdp_hsdp_ep_match_one_process():
     results = run_distributed(__file__, "_layouts_worker", world_size=4, timeout_s=150)
     for name in LAYOUTS:
-        dims_kwargs, _ = LAYOUTS[name]
+        dims_kwargs = LAYOUTS[name][0]
         for rank, res in enumerate(results):
             r = res[name]
             for a, b in zip(r["loss"], r["ref_loss"]):
