@@ -82,6 +82,7 @@ __all__ = [
     "restore_rng_state",
     "save_best_checkpoint",
     "save_checkpoint",
+    "set_aside_checkpoint",
     "verify_checkpoint",
 ]
 
@@ -343,6 +344,17 @@ def remove_checkpoint(path: str | Path) -> None:
         shutil.rmtree(trash)
     _rename(path, trash)
     shutil.rmtree(trash)
+
+
+def set_aside_checkpoint(path: str | Path, prefix: str = "nonfinite-") -> Path:
+    """Rename a checkpoint to ``<prefix><name>`` (no longer listed, kept for inspection); returns the new
+    path. Call on one rank only."""
+    path = Path(path)
+    dest = path.parent / (prefix + path.name.removeprefix(_REPLACED))
+    if dest.exists():
+        shutil.rmtree(dest)
+    _rename(path, dest)
+    return dest
 
 
 def _install(tmp: Path, final: Path) -> None:
