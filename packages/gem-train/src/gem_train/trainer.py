@@ -476,9 +476,13 @@ class Trainer:
 
     def _check_selection(self) -> None:
         t = self.cfg.train
-        if not t.valid_every:
-            return
-        if not self.source.num_batches("valid", self.cfg.data.eval_batch_size):
+        # The task is checked even when no selection runs: every config value is range-checked.
+        if t.select_task != "mean" and t.select_task not in self.tasks:
+            raise ConfigError(
+                f"train.select_task = {t.select_task!r} is not a task of this dataset "
+                f"({', '.join(self.tasks)}) nor 'mean'"
+            )
+        if t.valid_every and not self.source.num_batches("valid", self.cfg.data.eval_batch_size):
             key = (
                 "data.movielens.valid_fraction"
                 if self.cfg.data.source == "movielens-100k"
@@ -487,11 +491,6 @@ class Trainer:
             raise ConfigError(
                 f"train.valid_every = {t.valid_every} needs a validation split, but the dataset has none "
                 f"(set {key} > 0, or train.valid_every = 0)"
-            )
-        if t.select_task != "mean" and t.select_task not in self.tasks:
-            raise ConfigError(
-                f"train.select_task = {t.select_task!r} is not a task of this dataset "
-                f"({', '.join(self.tasks)}) nor 'mean'"
             )
 
     def _resolve_resume(self, resume: str | Path) -> Path:
