@@ -5,12 +5,14 @@ exists at every moment of a save."""
 import json
 import pickle
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
 
 import gem_train.checkpoint as ckpt_mod
 from gem_parallel.testing import run_distributed
@@ -165,6 +167,11 @@ class _Payload:
         return (exec, (f"open({self.marker!r}, 'w').write('code ran')",))
 
 
+def _short_str(b):
+    """The SHORT_BINUNICODE opcode pushing the string ``b``."""
+    return b"\x8c" + bytes([len(b)]) + b
+
+
 def _plant(ckpt, payload):
     """Hide ``payload`` inside the real ``.metadata`` of ``ckpt`` and re-seal the manifest, as an attacker
     who can write the directory would: the integrity check passes, only the unpickler stands in the way."""
@@ -191,12 +198,39 @@ def test_malicious_metadata_is_refused_and_runs_nothing(tmp_path):
         verify_checkpoint(path)
     assert not marker.exists()
     # A dotted name that walks attributes from an allowed class is refused too (exact names only).
-    mod, name = b"torch.distributed.checkpoint.metadata", b"Metadata.__init__.__globals__"
     (path / ".metadata").write_bytes(
-        b"\x80\x04\x8c" + bytes([len(mod)]) + mod + b"\x8c" + bytes([len(name)]) + name + b"\x93."
-    )
+        b"\x80\x04" + _short_str(b"torch.distributed.checkpoint.metadata")
+        + _short_str(b"Metadata.__init__.__globals__") + b"\x93."
+    )  # fmt: skip
     with pytest.raises(CheckpointError, match=r"Metadata\.__init__\.__globals__"):
         safe_load_metadata(path / ".metadata")
+    # BUILD on an allowed *class* would rewrite DCP's classes: refused, and Metadata keeps its attributes.
+    # Opcodes: STACK_GLOBAL Metadata, state (None, {"planted": True}), BUILD.
+    (path / ".metadata").write_bytes(
+        b"\x80\x04" + _short_str(b"torch.distributed.checkpoint.metadata") + _short_str(b"Metadata") + b"\x93"
+        + b"N}" + _short_str(b"planted") + b"\x88s\x86b."
+    )  # fmt: skip
+    with pytest.raises(CheckpointError, match="refused to load: it sets the state of the class Metadata"):
+        safe_load_metadata(path / ".metadata")
+    assert not hasattr(Metadata, "planted")
+    # Extension codes (looked up in copyreg's process-wide cache, past find_class) are refused.
+    (path / ".metadata").write_bytes(b"\x80\x04\x82\x01.")
+    with pytest.raises(CheckpointError, match=r"extension code \(EXT opcode\)"):
+        safe_load_metadata(path / ".metadata")
+
+
+def test_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path):
+    """A crafted .metadata (allowed classes only, manifest re-sealed) whose entry names ../secret must not
+    make the loader read a file outside the checkpoint directory."""
+    m, opts = _model_and_optims(0)
+    path = save_checkpoint(tmp_path / "ck", 1, m, opts, extra={})
+    meta = safe_load_metadata(path / ".metadata")
+    for info in meta.storage_data.values():
+        info.relative_path = "../secret.distcp"
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
+    write_manifest(path, {})
+    with pytest.raises(CheckpointError, match=r"refused to load: entry .* points at '\.\./secret\.distcp'"):
+        load_checkpoint(path, m, opts)
 
 
 def test_every_load_path_refuses_malicious_metadata(tmp_path, capsys, small_config):
@@ -221,31 +255,61 @@ def test_every_load_path_refuses_malicious_metadata(tmp_path, capsys, small_conf
 
 
 def _sharded_save_load(rank, world_size, root):
-    """FSDP2-sharded (DTensor) state saved by gem's checkpoint and loaded back through the safe reader."""
+    """FSDP2-sharded (DTensor) parameters and optimizer state, plus a ShardedTensor (what TorchRec's sharded
+    tables hold), saved by gem's checkpoint with the background seal (each rank hashes its own file) and
+    loaded back through the safe reader."""
+    from torch.distributed._shard.sharded_tensor import rand as sharded_rand
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world_size,))
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world_size)])
+
+    class Model(torch.nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            torch.manual_seed(seed)
+            self.net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+            self.table = sharded_rand(spec, 7, 4)  # rows 0-3 on rank 0, 4-6 on rank 1
+
+        # The ShardedTensor goes through the state dict as TorchRec's sharded modules put it there.
+        def state_dict(self, *args, **kwargs):
+            sd = super().state_dict(*args, **kwargs)
+            sd["table"] = self.table
+            return sd
+
+        def load_state_dict(self, state_dict, *args, **kwargs):
+            state_dict = dict(state_dict)
+            self.table.local_tensor().copy_(state_dict.pop("table").local_tensor())
+            return super().load_state_dict(state_dict, *args, **kwargs)
 
     def build(seed):
-        torch.manual_seed(seed)
-        m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
-        fully_shard(m[0], mesh=mesh)
-        fully_shard(m, mesh=mesh)
-        return m, [torch.optim.AdamW(m.parameters(), lr=1e-2)]
+        m = Model(seed)
+        fully_shard(m.net[0], mesh=mesh)
+        fully_shard(m.net, mesh=mesh)
+        return m, [torch.optim.AdamW(m.net.parameters(), lr=1e-2)]
 
     m, opts = build(0)
-    m(torch.randn(4, 6)).sum().backward()
+    m.net(torch.randn(4, 6)).sum().backward()
     opts[0].step()
-    path = save_checkpoint(root, 1, m, opts, extra={"config": {}})
+    save_checkpoint(root, 1, m, opts, extra={"config": {}}, background=True)
+    ckpt_mod.wait_for_checkpoints()
+    path = Path(root) / "step_00000001"
     globals_seen = sorted(f"{a}.{b}" for a, b in _recorded_globals(path / ".metadata"))
     m2, opts2 = build(1)
     load_checkpoint(path, m2, opts2)
-    same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(m.parameters(), m2.parameters()))
-    exp_avg = [opts2[0].state[p]["exp_avg"].full_tensor() for p in m2.parameters()]
-    want = [opts[0].state[p]["exp_avg"].full_tensor() for p in m.parameters()]
-    return {"same": same, "optim_same": all(torch.equal(a, b) for a, b in zip(exp_avg, want)),
-            "globals": globals_seen}  # fmt: skip
+    params = zip(m.net.parameters(), m2.net.parameters())
+    exp_avg = [opts2[0].state[p]["exp_avg"].full_tensor() for p in m2.net.parameters()]
+    want = [opts[0].state[p]["exp_avg"].full_tensor() for p in m.net.parameters()]
+    table = torch.equal(m.table.local_tensor(), m2.table.local_tensor())
+    return {
+        "same": all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in params),
+        "optim_same": all(torch.equal(a, b) for a, b in zip(exp_avg, want)),
+        "table_same": table and not torch.equal(m.table.local_tensor(), Model(1).table.local_tensor()),
+        "globals": globals_seen,
+        "files": sorted(p.name for p in path.iterdir()),
+    }
 
 
 def _recorded_globals(path):
@@ -262,9 +326,17 @@ def _recorded_globals(path):
 
 
 @pytest.mark.distributed
-def test_sharded_dtensor_checkpoint_loads_through_the_safe_reader(tmp_path):
+def test_sharded_dtensor_and_sharded_tensor_checkpoint_seals_and_loads_through_the_safe_reader(tmp_path):
     out = run_distributed(__file__, "_sharded_save_load", 2, kwargs={"root": str(tmp_path)}, timeout_s=120)
-    assert all(o["same"] and o["optim_same"] for o in out)
+    assert all(o["same"] and o["optim_same"] and o["table_same"] for o in out)
+    # Both ranks' files are in the manifest (rank 1's digests reached rank 0), nothing else is left over.
+    assert out[0]["files"] == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "manifest.json",
+        "trainer_state.json",
+    ]
     # Every global DCP wrote is on the allowlist (the load above would have failed otherwise).
     allowed = {f"{a}.{b}" for a, b in allowed_metadata_globals()}
     assert set(out[0]["globals"]) <= allowed and "torch.Size" in out[0]["globals"]
@@ -382,7 +454,7 @@ def test_crash_between_the_renames_of_a_resave_leaves_the_old_copy_loadable(tmp_
         real_rename(a, b)
 
     monkeypatch.setattr(ckpt_mod, "_rename", crash_on_install)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(CheckpointError, match=r"sealing checkpoint .*step_00000005 failed: OSError: killed"):
         save_checkpoint(tmp_path, 5, m, opts, extra={"config": {"v": "new"}}, keep_last=1)
     monkeypatch.undo()
     assert not (tmp_path / "step_00000005").exists()
@@ -395,3 +467,50 @@ def test_crash_between_the_renames_of_a_resave_leaves_the_old_copy_loadable(tmp_
     save_checkpoint(tmp_path, 5, m, opts, extra={"config": {"v": "new"}}, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
     assert read_trainer_state(latest_checkpoint(tmp_path))["config"] == {"v": "new"}
+
+
+def test_a_background_seal_keeps_hashing_off_the_step_and_the_old_checkpoint_until_it_is_done(
+    tmp_path, monkeypatch
+):
+    """With background=True the save returns once the files are written; hashing, manifest and rename run
+    in a thread (held here until released). Meanwhile a training step runs, the new checkpoint is not
+    listed and the old one is the latest; after wait_for_checkpoints() the new one is in place and verifies,
+    and keep_last pruned the old one. A failed seal is raised by the next wait."""
+    m, opts = _model_and_optims(0)
+    save_checkpoint(tmp_path, 1, m, opts, extra={}, keep_last=1)
+    release, hashing = threading.Event(), threading.Event()
+    real_hash = ckpt_mod.hash_files
+
+    def held_hash(directory, names):
+        hashing.set()
+        assert release.wait(60)
+        return real_hash(directory, names)
+
+    monkeypatch.setattr(ckpt_mod, "hash_files", held_hash)
+    _train_step(m, opts)
+    want = [p.detach().clone() for p in m.parameters()]
+    save_checkpoint(tmp_path, 2, m, opts, extra={}, keep_last=1, background=True)
+    assert hashing.wait(60) and ckpt_mod.checkpoint_pending()
+    _train_step(m, opts)  # training goes on while the seal waits
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
+    assert (tmp_path / ".tmp-step_00000002").is_dir()
+    release.set()
+    ckpt_mod.wait_for_checkpoints()
+    assert not ckpt_mod.checkpoint_pending()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
+    verify_checkpoint(tmp_path / "step_00000002")
+    m2, opts2 = _model_and_optims(1)
+    load_checkpoint(tmp_path / "step_00000002", m2, opts2)
+    assert all(torch.equal(a, b) for a, b in zip(want, m2.parameters()))  # the state at save time
+
+    def failing_hash(directory, names):
+        raise OSError("read error (simulated)")
+
+    monkeypatch.setattr(ckpt_mod, "hash_files", failing_hash)
+    save_checkpoint(tmp_path, 3, m, opts, extra={}, keep_last=1, background=True)
+    with pytest.raises(
+        CheckpointError, match=r"sealing checkpoint \S*step_00000003 failed: OSError: read error"
+    ):
+        ckpt_mod.wait_for_checkpoints()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
+    ckpt_mod.wait_for_checkpoints()  # the failure is reported once

@@ -16,10 +16,13 @@ rest is JSON. **Loading never reads a corrupt checkpoint**: :func:`verify_checkp
 else is read, and :func:`read_trainer_state` checks the JSON's digest and its keys. Every failure is a
 :class:`CheckpointError` naming the directory and the file.
 
-**Writing is atomic.** Every rank writes into ``checkpoints/.tmp-<name>`` (DCP fsyncs each file, hashing the
-bytes as they are written); after a barrier rank 0 writes ``trainer_state.json``, fsyncs every file and the
-directory, writes the manifest, and renames the directory to ``<name>`` (``rename(2)``), then fsyncs the
-parent. A crash before the rename leaves a ``.tmp-*`` directory, which is never listed and is removed later.
+**Writing is atomic.** Every rank writes into ``checkpoints/.tmp-<name>`` (DCP fsyncs each file); rank 0
+adds ``trainer_state.json``. Then the directory is *sealed* (:mod:`gem_train.sealing`): each rank hashes
+its own files, rank 0 collects the digests, fsyncs every file and the directory, writes the manifest, and
+renames the directory to ``<name>`` (``rename(2)``), then fsyncs the parent. With ``background=True`` (what
+the trainer uses) the seal runs in a thread while training goes on, so the hashing costs no training time;
+:func:`wait_for_checkpoints` joins it, and every save joins the previous one first. A crash before the
+rename leaves a ``.tmp-*`` directory, which is never listed and is removed later.
 
 **There is always a complete checkpoint.** A new checkpoint is in place before an old one is removed
 (keep-last-K pruning runs after the rename, for every K). Saving a step that already has a checkpoint (e.g.
@@ -42,7 +45,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +57,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from gem_train.dcp_storage import HashingFileSystemWriter, SafeFileSystemReader, safe_load_metadata
+from gem_train.dcp_storage import RecordingFileSystemWriter, SafeFileSystemReader, safe_load_metadata
 from gem_train.errors import CheckpointError
 from gem_train.manifest import (
     MANIFEST,
-    FileDigest,
     check_files,
     digest_bytes,
     fsync_dir,
@@ -66,12 +68,14 @@ from gem_train.manifest import (
     read_manifest,
     write_manifest,
 )
+from gem_train.sealing import BackgroundSeal, exchange_digests, hash_files
 
 __all__ = [
     "BEST_LINK",
     "CheckpointError",
     "best_checkpoint",
     "capture_rng_state",
+    "checkpoint_pending",
     "checkpoint_step",
     "latest_checkpoint",
     "list_checkpoints",
@@ -84,6 +88,7 @@ __all__ = [
     "save_checkpoint",
     "set_aside_checkpoint",
     "verify_checkpoint",
+    "wait_for_checkpoints",
 ]
 
 STATE_FILE = "trainer_state.json"
@@ -372,6 +377,22 @@ def _install(tmp: Path, final: Path) -> None:
         remove_checkpoint(old)
 
 
+_SEAL = BackgroundSeal()
+
+
+def checkpoint_pending() -> bool:
+    """Whether this process is still sealing a checkpoint in the background (hashing, manifest, rename)."""
+    return _SEAL.pending()
+
+
+def wait_for_checkpoints() -> None:
+    """Wait until the checkpoint being sealed in the background is in place (all ranks call; a no-op when
+    none is). Raises :class:`CheckpointError` on every rank if the seal failed on any."""
+    errors = [e for e in _all_gather(_SEAL.join()) if e is not None]
+    if errors:
+        raise CheckpointError("; ".join(dict.fromkeys(errors)))
+
+
 def _write_checkpoint(
     root: Path,
     name: str,
@@ -379,9 +400,14 @@ def _write_checkpoint(
     model: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
     extra: dict[str, Any],
+    background: bool,
+    then: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write ``root/<name>`` through ``root/.tmp-<name>``, a manifest and an atomic rename (all ranks)."""
-    rank = _rank()
+    """Write ``root/<name>`` through ``root/.tmp-<name>`` (all ranks), then seal it: hash every file,
+    write the manifest, rename it into place, then ``then(final)`` on rank 0 — in a background thread if
+    ``background`` (:mod:`gem_train.sealing`). Waits for the previous seal first."""
+    wait_for_checkpoints()
+    rank, world = _rank(), _world()
     final = root / name
     tmp = root / f"{_TMP}{name}"
     if rank == 0:
@@ -398,32 +424,40 @@ def _write_checkpoint(
         "optim": optim_sd["state"],
         f"rng/rank{rank}": rng_tensors,
     }
-    writer = HashingFileSystemWriter(tmp)
+    writer = RecordingFileSystemWriter(tmp)
     dcp.save(state, storage_writer=writer)
-    # Every rank's file digests and non-tensor RNG state go to rank 0 (the gather is also the barrier that
-    # makes every rank's files complete before rank 0 seals the directory).
-    gathered = _all_gather((writer.digests, rng_plain))
+    mine = writer.written
+    # Every rank's non-tensor RNG state goes to rank 0 (also the barrier after which every file is written).
+    gathered = _all_gather(rng_plain)
     if rank == 0:
-        digests: dict[str, FileDigest] = {}
-        for part, _ in gathered:
-            digests.update(part)
         trainer_state = dict(extra)
         trainer_state.update(
             step=int(step),
             data_position=int(extra.get("data_position", step)),
             optim_param_groups=_jsonable_groups(optim_sd["param_groups"]),
-            rng_plain=[plain for _, plain in gathered],
-            world_size=_world(),
+            rng_plain=gathered,
+            world_size=world,
             config=extra.get("config", {}),
         )
-        data = json.dumps(trainer_state).encode("utf-8")
         with open(tmp / STATE_FILE, "wb") as f:
-            f.write(data)
-        digests[STATE_FILE] = digest_bytes(data)
-        _fsync_tree(tmp)  # DCP fsyncs its files already; this covers the state file and the directory
+            f.write(json.dumps(trainer_state).encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        mine.add(STATE_FILE)
+
+    def seal() -> None:
+        digests = exchange_digests(tmp, rank, world, hash_files(tmp, mine))
+        if digests is None:
+            return  # rank 0 finishes
+        _fsync_tree(tmp)  # DCP fsynced its files; this covers every rank's files and the directory
         write_manifest(tmp, digests)  # last: its presence marks the directory complete
         _install(tmp, final)
-    _barrier()
+        if then is not None:
+            then(final)
+
+    _SEAL.run(str(final), seal, background)
+    if not background:
+        wait_for_checkpoints()
     return final
 
 
@@ -451,6 +485,7 @@ def save_checkpoint(
     extra: dict[str, Any],
     keep_last: int = 3,
     protect: Iterable[str | Path] = (),
+    background: bool = False,
 ) -> Path:
     """Write ``root/step_<step>`` atomically (all ranks call this), then keep the newest ``keep_last``.
 
@@ -459,15 +494,18 @@ def save_checkpoint(
         optimizers: all optimizers of the run, in a fixed order.
         extra: JSON-able trainer state (data position, config, ...); stored in ``trainer_state.json``.
         protect: checkpoints never pruned by this call (the trainer's last checkpoint known to be good).
+        background: return once the files are written; hashing, manifest, rename and pruning run in a
+            background thread (:func:`wait_for_checkpoints` joins it; the next save does too).
     Returns:
-        The final checkpoint directory.
+        The final checkpoint directory (in place on return, or once sealed with ``background``).
     """
     root = Path(root)
-    final = _write_checkpoint(root, f"step_{step:08d}", step, model, optimizers, extra)
-    if _rank() == 0:
-        prune_checkpoints(root, keep_last, [*protect, final])
-    _barrier()
-    return final
+    keep = [*protect]
+
+    def prune(final: Path) -> None:
+        prune_checkpoints(root, keep_last, [*keep, final])
+
+    return _write_checkpoint(root, f"step_{step:08d}", step, model, optimizers, extra, background, then=prune)
 
 
 def save_best_checkpoint(
@@ -476,21 +514,23 @@ def save_best_checkpoint(
     model: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
     extra: dict[str, Any],
+    background: bool = False,
 ) -> Path:
     """Write ``root/best_step_<step>`` atomically and point the link ``root/best`` at it (all ranks call).
 
     The older ``best_step_*`` directories are removed once the link has moved, so a crash at any point leaves
     ``root/best`` naming a complete checkpoint (the old or the new one). ``extra`` as in
-    :func:`save_checkpoint` (the trainer stores the validation metrics that made it the best there).
+    :func:`save_checkpoint` (the trainer stores the validation metrics that made it the best there);
+    ``background`` too (the link moves when the seal is done).
 
     Returns:
         ``root/best`` (the link).
     """
     root = Path(root)
     name = f"best_step_{step:08d}"
-    _write_checkpoint(root, name, step, model, optimizers, extra)
     link = root / BEST_LINK
-    if _rank() == 0:
+
+    def relink(final: Path) -> None:
         tmp_link = root / f"{_TMP}{BEST_LINK}"
         if tmp_link.is_symlink() or tmp_link.exists():
             tmp_link.unlink()
@@ -500,7 +540,8 @@ def save_best_checkpoint(
         for d in root.iterdir():
             if _BEST_RE.match(d.name) and d.name != name:
                 remove_checkpoint(d)
-    _barrier()
+
+    _write_checkpoint(root, name, step, model, optimizers, extra, background, then=relink)
     return link
 
 

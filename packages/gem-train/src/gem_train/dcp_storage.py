@@ -1,4 +1,5 @@
-"""DCP storage layers of gem-train: a reader that never runs code from a checkpoint, a writer that hashes.
+"""DCP storage layers of gem-train: a reader that never runs code from a checkpoint, a writer that records
+its files.
 
 **Reading.** ``torch.distributed.checkpoint.FileSystemReader.read_metadata`` unpickles ``.metadata`` with
 plain :mod:`pickle`, so a crafted checkpoint runs any code it likes on load, whatever ``weights_only`` says
@@ -17,17 +18,15 @@ With only those callables reachable, the pickle opcodes that call (``REDUCE``, `
 build these plain data objects and nothing else. The tensor files are read by DCP with
 ``torch.load(weights_only=True)``.
 
-**Writing.** :class:`HashingFileSystemWriter` is DCP's ``FileSystemWriter`` with a file system whose write
-streams feed every byte to sha256 as it goes to the file, so the integrity manifest
-(:mod:`gem_train.manifest`) costs no second read of the checkpoint. A stream that is ever seeked is not
-recorded (its file is then hashed from disk when the manifest is written).
+**Writing.** :class:`RecordingFileSystemWriter` is DCP's ``FileSystemWriter`` (files fsynced) that records
+which files this rank wrote, so that each rank hashes its own files when the checkpoint is sealed
+(:mod:`gem_train.sealing`): hashing is not done while writing, which would lengthen the pause of training.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import hashlib
 import io
 import os
 import pathlib
@@ -35,7 +34,7 @@ import pickle
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -44,10 +43,9 @@ from torch.distributed.checkpoint import metadata as _dcp_md
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from gem_train.errors import CheckpointError
-from gem_train.manifest import FileDigest
 
 __all__ = [
-    "HashingFileSystemWriter",
+    "RecordingFileSystemWriter",
     "SafeFileSystemReader",
     "allowed_metadata_globals",
     "safe_load_metadata",
@@ -86,18 +84,77 @@ def allowed_metadata_globals() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickler whose globals are restricted to :func:`allowed_metadata_globals` (exact names only: a
-    dotted name such as ``Metadata.__init__.__globals__`` is not in the table)."""
+class _Forbidden(pickle.UnpicklingError):
+    """What the restricted unpickler refused; the message completes "the file ..."."""
+
+
+def _allowed_build_types() -> tuple[type, ...]:
+    """The classes whose instances a ``BUILD`` opcode may fill in (DCP's dataclasses, ``OrderedDict``)."""
+    return tuple(o for o in allowed_metadata_globals().values() if isinstance(o, type))
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """Unpickler restricted as torch's weights-only unpickler is, for pickle protocol 4.
+
+    - ``find_class`` admits exactly the names of :func:`allowed_metadata_globals` (a dotted name such as
+      ``Metadata.__init__.__globals__`` is not in the table);
+    - ``BUILD`` (set an object's state) only on an *instance* of an allowed class: never on a class or a
+      module-level object, which would let a file rewrite the attributes of DCP's classes;
+    - no extension codes (``EXT1/2/4`` look objects up in copyreg's process-wide cache, past
+      ``find_class``) and no persistent ids.
+
+    It is Python's own pure-Python unpickler (``pickle._Unpickler``) with those opcodes replaced: the C
+    unpickler cannot be restricted opcode by opcode. A metadata file is small (KBs to a few MB).
+    """
+
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
         try:
             return allowed_metadata_globals()[(module, name)]
         except KeyError:
-            raise pickle.UnpicklingError(f"forbidden global {module}.{name}") from None
+            raise _Forbidden(f"names the global {module}.{name}") from None
 
     def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError(f"forbidden persistent id {pid!r}")
+        raise _Forbidden(f"uses a persistent id ({pid!r})")
+
+    def _load_build(self) -> None:
+        inst = self.stack[-2] if len(self.stack) >= 2 else None
+        if isinstance(inst, type) or not isinstance(inst, _allowed_build_types()):
+            what = inst.__qualname__ if isinstance(inst, type) else type(inst).__qualname__
+            raise _Forbidden(f"sets the state of {'the class ' if isinstance(inst, type) else ''}{what}")
+        pickle._Unpickler.load_build(self)
+
+    def _load_ext(self) -> None:
+        raise _Forbidden("uses an extension code (EXT opcode)")
+
+    dispatch[pickle.BUILD[0]] = _load_build
+    for _op in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_op[0]] = _load_ext
+    del _op
+
+
+def _check_storage_data(metadata: Metadata, path: str | os.PathLike) -> None:
+    """Every file a checkpoint's metadata points at is a plain name inside its directory (DCP writes flat
+    names such as ``__0_0.distcp``), with sane offsets: a crafted file must not make the loader read
+    ``../../somewhere``."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{path}: corrupt DCP metadata (storage_data is {type(storage).__name__})")
+    for index, info in storage.items():
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if (
+            not isinstance(rel, str)
+            or rel in ("", ".", "..")
+            or "/" in rel
+            or "\\" in rel
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (offset, length))
+        ):
+            raise CheckpointError(
+                f"{path}: refused to load: entry {getattr(index, 'fqn', index)!r} points at "
+                f"{rel!r} (offset {offset!r}, length {length!r}), not a file of this checkpoint"
+            )
 
 
 def safe_load_metadata(path: str | os.PathLike) -> Metadata:
@@ -110,18 +167,18 @@ def safe_load_metadata(path: str | os.PathLike) -> Metadata:
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
-        if str(e).startswith("forbidden "):
-            raise CheckpointError(
-                f"{path}: refused to load: it names the {str(e)[len('forbidden ') :]}, which is not one "
-                "of DCP's metadata classes (a checkpoint may hold data only, never code; this file may have "
-                "been crafted to run code on load)"
-            ) from None
-        raise CheckpointError(f"{path}: corrupt DCP metadata ({e})") from None
-    except (EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:
+    except _Forbidden as e:
+        raise CheckpointError(
+            f"{path}: refused to load: it {e}, which DCP metadata never does (a checkpoint may hold data "
+            "only, never code; this file may have been crafted to run code on load)"
+        ) from None
+    except OSError:
+        raise
+    except Exception as e:  # anything else a data-only pickle can raise (truncated, garbage): corrupt
         raise CheckpointError(f"{path}: corrupt DCP metadata ({type(e).__name__}: {e})") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path}: not DCP metadata (unpickled a {type(metadata).__name__})")
+    _check_storage_data(metadata, path)
     return metadata
 
 
@@ -139,99 +196,44 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The hashing writer
+# The recording writer
 # ----------------------------------------------------------------------------------------------------------
 
 
-class _HashingStream(io.RawIOBase):
-    """A write-only file that feeds every byte written to sha256 and reports the digest to ``on_close``
-    (``tell``/``fileno``/``flush`` pass through; after a ``seek`` the digest is not reported)."""
-
-    def __init__(self, raw: io.BufferedWriter, on_close: Any) -> None:
-        super().__init__()
-        self.raw = raw
-        self.on_close = on_close
-        self.sha = hashlib.sha256()
-        self.size = 0
-        self.seeked = False
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        n = self.raw.write(view)  # a BufferedWriter writes everything (blocking file)
-        self.sha.update(view[:n])
-        self.size += n
-        return n
-
-    def tell(self) -> int:
-        return self.raw.tell()
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.seeked = True
-        return self.raw.seek(offset, whence)
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def flush(self) -> None:
-        if not self.raw.closed:
-            self.raw.flush()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.raw.close()
-        super().close()
-        self.on_close(None if self.seeked else FileDigest(self.size, self.sha.hexdigest()))
-
-
-class _HashingFileSystem(_dcp_fs.FileSystem):
-    """DCP's local ``FileSystem`` that records ``{file name: FileDigest}`` of every file it writes."""
+class _RecordingFileSystem(_dcp_fs.FileSystem):
+    """DCP's local ``FileSystem`` that records the names of the files it writes (renames and removals
+    followed), so each rank knows which files of a checkpoint are its own to hash."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.digests: dict[str, FileDigest] = {}
+        self.names: set[str] = set()
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        name = Path(path).name
-        self.digests.pop(name, None)
-
-        def record(digest: FileDigest | None) -> None:
-            if digest is not None:
-                self.digests[name] = digest
-
-        stream = _HashingStream(open(path, mode), record)  # noqa: SIM115 (closed below or by DCP)
-        try:
+        if "w" in mode or "a" in mode:
+            self.names.add(Path(path).name)
+        with super().create_stream(path, mode) as stream:
             yield stream
-        finally:
-            stream.close()
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
-        digest = self.digests.pop(Path(path).name, None)
-        if digest is not None:
-            self.digests[Path(new_path).name] = digest
+        if Path(path).name in self.names:
+            self.names.discard(Path(path).name)
+            self.names.add(Path(new_path).name)
 
     def rm_file(self, path: str | os.PathLike) -> None:
         super().rm_file(path)
-        self.digests.pop(Path(path).name, None)
+        self.names.discard(Path(path).name)
 
 
-class HashingFileSystemWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` (one file per rank, files fsynced) that also records the size and sha256
-    of every file it writes; ``.digests`` after ``dcp.save`` maps file names to :class:`FileDigest`."""
+class RecordingFileSystemWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` (one file per rank, every file fsynced) that records what it wrote:
+    ``.written`` after ``dcp.save`` is the set of file names this rank created in the directory."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True)
-        self.fs = _HashingFileSystem()
+        self.fs = _RecordingFileSystem()
 
     @property
-    def digests(self) -> dict[str, FileDigest]:
-        return dict(self.fs.digests)
+    def written(self) -> set[str]:
+        return set(self.fs.names)

@@ -43,6 +43,7 @@ import gem_model
 from gem_model import GemBatch
 from gem_train.checkpoint import (
     best_checkpoint,
+    checkpoint_pending,
     checkpoint_step,
     latest_checkpoint,
     list_checkpoints,
@@ -52,6 +53,7 @@ from gem_train.checkpoint import (
     save_best_checkpoint,
     save_checkpoint,
     set_aside_checkpoint,
+    wait_for_checkpoints,
 )
 from gem_train.compile import apply_compile
 from gem_train.config import ConfigError, TrainConfig, config_to_dict, dumps_toml
@@ -566,7 +568,10 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         """Checkpoint the current state as ``step`` (all ranks call). The last good checkpoint is kept
-        whatever ``checkpoint.keep_last`` says until a finite step confirms this one."""
+        whatever ``checkpoint.keep_last`` says until a finite step confirms this one.
+
+        Returns once the files are written: the seal (hashing, manifest, rename, pruning) runs in the
+        background while training goes on (:func:`gem_train.checkpoint.wait_for_checkpoints`)."""
         protect = [self._last_good] if self._last_good is not None else []
         path = save_checkpoint(
             self.run.checkpoints,
@@ -576,6 +581,7 @@ class Trainer:
             self._extra(step),
             self.cfg.checkpoint.keep_last,
             protect=protect,
+            background=True,
         )
         self.last_checkpoint = path
         self._unconfirmed = path
@@ -594,12 +600,14 @@ class Trainer:
         if self._unconfirmed is None:
             return
         self._last_good, self._unconfirmed = self._unconfirmed, None
-        if self.dist.is_main:
+        # While a seal is in flight its own pruning (and the next save's) does this: it never waits here.
+        if self.dist.is_main and not checkpoint_pending():
             prune_checkpoints(self.run.checkpoints, self.cfg.checkpoint.keep_last, protect=[self._last_good])
 
     def _set_aside_unconfirmed(self) -> str:
         """Training diverged: the unconfirmed checkpoint (whose state gave the non-finite step) is renamed
         out of the way, so resuming the run takes the last good one. Returns a sentence for the error."""
+        wait_for_checkpoints()  # every rank is here (the loss is averaged): the unconfirmed one is sealed
         ck, self._unconfirmed = self._unconfirmed, None
         if ck is None or not _is_step_checkpoint(ck):
             return ""
@@ -648,7 +656,9 @@ class Trainer:
                 "value": value,
                 "valid": {t: m.as_dict() for t, m in ev.tasks.items()},
             }
-            save_best_checkpoint(self.run.checkpoints, step, self.model, self.optimizers, extra)
+            save_best_checkpoint(
+                self.run.checkpoints, step, self.model, self.optimizers, extra, background=True
+            )
 
     def evaluate_best(self, should_stop: Callable[[], bool] | None = None) -> EvalResult | None:
         """The test split of the best-validation checkpoint, loaded from disk into a fresh model (None if
@@ -690,6 +700,7 @@ class Trainer:
         try:
             step, status = self._train_loop(stop_after)
             self._save_unless_saved(step)
+            wait_for_checkpoints()  # the final (and best) checkpoints in place before anything reads them
             if status == "completed" and self._should_stop():
                 status = "interrupted"  # a signal during the last save
             if status == "completed":
