@@ -16,13 +16,15 @@ import time
 
 import pytest
 
-from gem_train.checkpoint import latest_checkpoint
+from gem_train.checkpoint import latest_checkpoint, read_trainer_state
+
+TOTAL = 120
 
 ARGS = [
     "data.batch_size=16", "data.eval_batch_size=128", "data.synthetic.eval_examples=256",
     "data.synthetic.max_len=8", "model.overrides.n_layers=1", 'model.overrides.attention="full"',
     "data.synthetic.num_users=300", "data.synthetic.num_items=200", "train.log_every=1",
-    "train.progress_bar=false", "optim.warmup_steps=2", "train.steps=120", "checkpoint.every=1",
+    "train.progress_bar=false", "optim.warmup_steps=2", f"train.steps={TOTAL}", "checkpoint.every=1",
     "checkpoint.keep_last=2",
 ]  # fmt: skip
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
@@ -65,9 +67,12 @@ def test_twenty_random_sigkills_resume_bit_identically(tmp_path):
         ckpt = latest_checkpoint(runs[0] / "checkpoints") if runs else None
         if runs and ckpt is None:
             shutil.rmtree(out)  # killed before its first checkpoint: start afresh
+        done_frac = read_trainer_state(ckpt)["step"] / TOTAL if ckpt is not None else 0.0
         proc = _start(out, resume=runs[0] if ckpt is not None else None)
-        # Anywhere from the middle of start-up (imports, data, model) to most of a whole training run.
-        time.sleep(rng.uniform(0.5 * startup, startup + 0.9 * (wall - startup)))
+        # Anywhere from the middle of start-up (imports, data, model, the resume's load) to a little into
+        # training (at most 4% of the run, so 20 kills fit in it; every step writes a checkpoint).
+        train_time = wall - startup
+        time.sleep(rng.uniform(0.5 * startup, startup + min(0.9 * (1 - done_frac), 0.04) * train_time))
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             kills += 1
