@@ -4,6 +4,7 @@ import tomllib
 
 import pytest
 
+from gem_train.cli import main
 from gem_train.config import (
     SHIPPED_CONFIGS,
     ConfigError,
@@ -94,3 +95,90 @@ def test_file_config_with_unknown_key(tmp_path):
     f.write_text('[run]\nname = "x"\n[train]\nsteps = 3\n')
     cfg = load_config(f, ["train.steps=4"])
     assert cfg.run.name == "x" and cfg.train.steps == 4
+
+
+# Every key of every section, with an out-of-range value: a config error naming the key, exit 2, and no run
+# directory (the checks run before anything is created).
+OUT_OF_RANGE = [
+    ("run.device=gpu", "run.device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got 'gpu'"),
+    ("run.seed=-1", r"run.seed must be in [0, 4294967295], got -1"),
+    ("run.seed=4294967296", "run.seed must be in [0, 4294967295]"),
+    ('run.name="a/b"', "run.name must be letters, digits"),
+    ('run.name=""', "run.name must be letters"),
+    ('run.out_dir=""', "run.out_dir must name a directory"),
+    ("run.cpu_threads=-1", "run.cpu_threads must be in [0, 4096]"),
+    ("optim.lr=nan", "optim.lr must be a finite number, got nan"),
+    ("optim.lr=inf", "optim.lr must be a finite number, got inf"),
+    ("optim.lr=0", "optim.lr must be > 0"),
+    ("optim.beta1=2", r"optim.beta1 must be in [0, 1), got 2.0"),
+    ("optim.beta2=1", r"optim.beta2 must be in [0, 1)"),
+    ("optim.eps=-1", "optim.eps must be > 0, got -1.0"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps must be >= 0"),
+    ("optim.min_lr_ratio=nan", "optim.min_lr_ratio must be a finite number"),
+    ("optim.sparse_lr=-inf", "optim.sparse_lr must be a finite number"),
+    ("optim.sparse_eps=0", "optim.sparse_eps must be > 0"),
+    ("optim.grad_clip=-1", "optim.grad_clip must be >= 0"),
+    ("data.synthetic.history_lognormal_sigma=-1", "history_lognormal_sigma must be in [0, 50], got -1.0"),
+    ("data.synthetic.history_lognormal_mu=nan", "history_lognormal_mu must be a finite number"),
+    ("data.synthetic.history_zipf_a=1", "data.synthetic.history_zipf_a must be > 1"),
+    ("data.synthetic.item_zipf_s=-1", "data.synthetic.item_zipf_s must be in [0, 50]"),
+    ("data.synthetic.base_ctr_logit=inf", "data.synthetic.base_ctr_logit must be a finite number"),
+    ("data.synthetic.base_cvr_logit=1e9", "data.synthetic.base_cvr_logit must be in [-50, 50]"),
+    ("data.synthetic.num_users=0", "data.synthetic.num_users must be > 0"),
+    ("data.synthetic.num_items=0", "data.synthetic.num_items must be > 0"),
+    ("data.synthetic.num_categories=0", "data.synthetic.num_categories must be > 0"),
+    ("data.synthetic.num_advertisers=0", "data.synthetic.num_advertisers must be > 0"),
+    ("data.synthetic.num_actions=1", "data.synthetic.num_actions must be >= 2"),
+    ("data.synthetic.n_dense=-1", "data.synthetic.n_dense must be >= 0"),
+    ("data.synthetic.max_len=0", "data.synthetic.max_len must be > 0"),
+    ("data.synthetic.train_examples_per_epoch=-1", "data.synthetic.train_examples_per_epoch must be >= 0"),
+    ("data.synthetic.eval_examples=0", "data.synthetic.eval_examples must be > 0"),
+    ("data.movielens.max_len=0", "data.movielens.max_len must be > 0"),
+    ("data.movielens.eval_fraction=1", r"data.movielens.eval_fraction must be in (0, 1)"),
+    ("data.movielens.eval_fraction=nan", "data.movielens.eval_fraction must be a finite number"),
+    ("data.movielens.valid_fraction=nan", "data.movielens.valid_fraction must be in"),
+    ("data.movielens.like_threshold=6", r"data.movielens.like_threshold must be in [2, 5]"),
+    ("data.movielens.max_users=-1", "data.movielens.max_users must be >= 0"),
+    ("data.batch_size=0", "data.batch_size must be > 0"),
+    ("data.eval_batch_size=-4", "data.eval_batch_size must be > 0"),
+    ("data.num_workers=-1", r"data.num_workers must be in [0, 256]"),
+    ("model.baseline.embedding_dim=0", "model.baseline.embedding_dim must be > 0"),
+    ("model.baseline.hidden=[8, 0]", r"model.baseline.hidden[1] must be > 0"),
+    ('model.name=""', "model.name must name a gem-model config"),
+    ("train.steps=-5", "train.steps must be > 0"),
+    ("train.log_every=0", "train.log_every must be > 0"),
+    ("train.eval_every=-1", "train.eval_every must be >= 0"),
+    ("train.eval_batches=-1", "train.eval_batches must be >= 0"),
+    ("train.max_skipped_batches=-1", "train.max_skipped_batches must be >= 0"),
+    ("train.peak_flops=nan", "train.peak_flops must be a finite number"),
+    ("precision.min_features=-1", "precision.min_features must be >= 0"),
+    ("precision.keep_last_blocks=-1", "precision.keep_last_blocks must be >= 0"),
+    ("checkpoint.every=-1", "checkpoint.every must be >= 0"),
+    ("checkpoint.keep_last=0", "checkpoint.keep_last must be > 0"),
+    # Checked against gem-model and the dataset, still before the run directory exists.
+    ("model.name=huge", "model.name"),
+    ("model.overrides.d_model=-8", "model.overrides"),
+    ("train.select_task=nope", "train.select_task = 'nope' is not a task"),
+    ("train.valid_every=2", "needs a validation split"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), OUT_OF_RANGE, ids=[o for o, _ in OUT_OF_RANGE])
+def test_out_of_range_values_are_config_errors_before_any_run_directory(tmp_path, capsys, override, message):
+    # The override comes last (it wins); one step, so a value that slipped through fails fast.
+    argv = ["train", "train.progress_bar=false", "train.steps=1", f"run.out_dir={tmp_path}", override]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gem-train: config error: ") and message in err, err
+    assert not any(tmp_path.iterdir())  # no run directory left behind
+
+
+def test_config_directory_and_negative_counts_are_usage_errors(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path)]) == 2
+    assert f"config '{tmp_path}' is a directory" in capsys.readouterr().err
+    for argv in (["eval", "--checkpoint", str(tmp_path), "--batches", "-1"], ["bench", "--steps", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert "must be >=" in capsys.readouterr().err

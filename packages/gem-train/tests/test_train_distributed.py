@@ -1,13 +1,17 @@
-"""Two processes under torchrun (gloo, CPU) with no code change: train, evaluate, checkpoint."""
+"""Two processes under torchrun (gloo, CPU) with no code change: train, evaluate, checkpoint; `gem-train
+launch` stopped by SIGTERM; a checkpoint of another world size is refused."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from gem_train.checkpoint import list_checkpoints, read_trainer_state
+from gem_train.cli import main
 
 
 @pytest.mark.distributed
@@ -46,3 +50,46 @@ def test_torchrun_two_process_gloo_smoke(tmp_path):
     assert best["step"] == min(valid, key=lambda r: r["select_ne"])["step"]
     assert best["tasks"]["ctr"]["count"] == 192
     assert read_trainer_state(run / "checkpoints" / "best")["step"] == best["step"]
+
+
+@pytest.mark.distributed
+def test_launcher_sigterm_exits_0_once_all_workers_saved_and_other_world_sizes_are_refused(tmp_path, capsys):
+    """SIGTERM to the launcher (what a scheduler sends): torchrun forwards it to both workers (their loader
+    workers included: data.num_workers=1), both finish the step and checkpoint, and `gem-train launch` exits
+    0 saying how to resume. That 2-process checkpoint then refuses to resume in one process."""
+    cmd = [
+        sys.executable, "-m", "gem_train.cli", "launch", "--standalone", "--nproc-per-node=2", "train",
+        "data.batch_size=16", "data.eval_batch_size=64", "data.synthetic.eval_examples=64",
+        "data.synthetic.max_len=8", "data.synthetic.num_users=300", "data.synthetic.num_items=200",
+        "model.overrides.n_layers=1", 'model.overrides.attention="full"', "data.num_workers=1",
+        "train.steps=100000", "train.log_every=1", "train.progress_bar=false", f"run.out_dir={tmp_path}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            found = list(tmp_path.glob("*/metrics.jsonl"))
+            if found and len(found[0].read_text().splitlines()) >= 3:
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.5)
+        else:
+            pytest.fail("training did not start in time")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    assert "gem-train launch: SIGTERM received: all 2 workers stopped after step" in err
+    run = next(tmp_path.iterdir())
+    (ckpt,) = list_checkpoints(run / "checkpoints")
+    assert f"resume with: gem-train launch --standalone --nproc-per-node=2 train --resume {ckpt}" in err
+    state = read_trainer_state(ckpt)
+    assert state["world_size"] == 2 and state["step"] >= 3
+    # Resuming the 2-process checkpoint in one process is refused, naming both world sizes.
+    assert main(["train", "--resume", str(ckpt)]) == 1
+    assert "was written by 2 process(es) and this run has 1" in capsys.readouterr().err
+    # Evaluating it works on any world size.
+    assert main(["eval", "--checkpoint", str(ckpt), "--batches", "1"]) == 0

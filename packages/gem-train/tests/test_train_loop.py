@@ -2,9 +2,12 @@
 
 import json
 import math
+import os
+import signal
 import warnings
 
 import pytest
+import torch
 
 from gem_train.checkpoint import list_checkpoints
 from gem_train.cli import main
@@ -110,3 +113,95 @@ def test_eval_command_on_a_checkpoint(tmp_path, capsys, small_config):
     out = capsys.readouterr().out
     # The same numbers as the run's own final evaluation.
     assert f"NE {res.final_eval.tasks['ctr'].ne:.4f}" in out
+
+
+def test_after_divergence_the_last_good_checkpoint_predates_it_and_resumes(tmp_path, small_config):
+    """The update of step 4 leaves an infinite weight; step_4 holds it and step 5's loss is not finite. The
+    last good checkpoint is step_2 (kept although keep_last=1), step_4 is set aside, and resuming the run
+    takes step_2 and reproduces the clean run exactly."""
+    steps = ["train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=1"]
+    clean = Trainer(small_config(tmp_path / "clean", *steps)).fit()
+    tr = Trainer(small_config(tmp_path / "run", *steps))
+    adamw = tr.optimizers[0]
+    real_step, calls = adamw.step, [0]
+
+    def diverging_step(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 4:
+            with torch.no_grad():
+                adamw.param_groups[0]["params"][0].fill_(float("inf"))
+        return out
+
+    adamw.step = diverging_step
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"at step 5: .*last good checkpoint is \S*step_00000002 .*set aside as nonfinite-step_00000004",
+    ):
+        tr.fit()
+    assert [p.name for p in list_checkpoints(tr.run.checkpoints)] == ["step_00000002"]
+    resumed = Trainer(small_config(tmp_path / "run", *steps), resume=str(tr.run.root)).fit()
+    assert resumed.status == "completed" and resumed.losses == clean.losses[2:]
+
+
+class _SignalNotHandled(Exception):
+    pass
+
+
+def _signal_on_batch(monkeypatch, split, index, times=1):
+    """A real SIGTERM to this process (``times`` of them) while the loader fetches batch ``index`` of
+    ``split``; outside the trainer's handlers, SIGTERM raises _SignalNotHandled instead of killing pytest."""
+    orig = SyntheticAds.get
+    sent = [False]
+
+    def get(self, s, i, batch_size):
+        if s == split and i == index and not sent[0]:
+            sent[0] = True
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGTERM)
+        return orig(self, s, i, batch_size)
+
+    def not_handled(signum, frame):
+        raise _SignalNotHandled(f"{signal.Signals(signum).name} outside the trainer's signal handling")
+
+    monkeypatch.setattr(SyntheticAds, "get", get)
+    old = signal.signal(signal.SIGTERM, not_handled)
+    return lambda: signal.signal(signal.SIGTERM, old)
+
+
+def test_sigterm_during_the_final_evaluation_checkpoints_and_says_how_to_resume(
+    tmp_path, capsys, monkeypatch, small_overrides
+):
+    restore = _signal_on_batch(monkeypatch, "eval", 1)
+    args = [*small_overrides, "train.steps=3", "data.eval_batch_size=32", f"run.out_dir={tmp_path}"]
+    try:
+        assert main(["train", *args]) == 0
+    finally:
+        restore()
+    err = capsys.readouterr().err
+    run = next(tmp_path.iterdir())
+    ckpt = run / "checkpoints" / "step_00000003"
+    assert f"SIGTERM received during the final evaluation: stopped after step 3; checkpoint {ckpt}" in err
+    assert f"resume with: gem-train train --resume {ckpt}" in err
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == [ckpt.name]
+    assert not (run / "eval.json").exists()
+    # Resuming runs the final evaluation (and nothing else: no step, no second checkpoint of step 3).
+    monkeypatch.undo()
+    mtime = (ckpt / "manifest.json").stat().st_mtime_ns
+    assert main(["train", "--resume", str(ckpt)]) == 0
+    assert "evaluation after 3 steps" in capsys.readouterr().out and (run / "eval.json").is_file()
+    assert (ckpt / "manifest.json").stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_a_second_signal_stops_at_once(tmp_path, capsys, monkeypatch, small_overrides, split):
+    restore = _signal_on_batch(monkeypatch, split, 2, times=2)
+    args = [*small_overrides, "train.steps=4", "data.eval_batch_size=32", f"run.out_dir={tmp_path}"]
+    try:
+        assert main(["train", *args]) == 128 + signal.SIGTERM
+    finally:
+        restore()
+    assert "SIGTERM: stopped at once" in capsys.readouterr().err
+    ckpts = list_checkpoints(next(tmp_path.iterdir()) / "checkpoints")
+    # During training nothing was saved yet; during the final evaluation the final checkpoint exists.
+    assert [p.name for p in ckpts] == ([] if split == "train" else ["step_00000004"])

@@ -170,3 +170,76 @@ def test_real_movielens_slice(real_ml100k):
     np.minimum.at(first_valid, ev.user[ds.valid_rows], ev.timestamp[ds.valid_rows])
     assert np.all(last_train[ok] <= first_valid[ok])
     assert 0.3 < ds.label.mean() < 0.7
+
+
+@pytest.mark.parametrize(
+    ("file", "row", "message"),
+    [
+        ("inter", "1\t1\tinf\t5\n", "record 3: rating 'inf' is not an integer"),
+        ("inter", "1\t1\t4\t1e400\n", "record 3: timestamp '1e400' is not an integer"),
+        (
+            "inter",
+            "1\t1\t4\t99999999999999999999999\n",
+            r"record 3: timestamp 99999999999999999999999 outside",
+        ),
+        ("inter", "1\t1\t4\t-3\n", r"record 3: timestamp -3 outside \[0, 4102444800\]"),
+        ("inter", "1\t1\tnan\t5\n", "record 3: rating 'nan' is not an integer"),
+        (
+            "inter",
+            "10000000000000\t1\t4\t5\n",
+            r"record 3: user_id 10000000000000 outside \[1, 2\] \(no such user",
+        ),
+        (
+            "inter",
+            "3\t1\t4\t5\n",
+            r"record 3: user_id 3 outside \[1, 2\] \(no such user in \S*ml-100k.user\)",
+        ),
+        ("inter", "1\t1e13\t4\t5\n", r"record 3: item_id 1e13 outside \[1, 3\] \(no such item"),
+        ("user", "1e13\t30\tF\twriter\t10001\n", r"ml-100k.user: record 4: user_id 1e13 outside \[1, 3\]"),
+        (
+            "user",
+            "2\t30\tF\twriter\t10001\n",
+            r"ml-100k.user: record 4: duplicate user_id 2 \(also record 3\)",
+        ),
+        ("item", "2\tCopy\t1990\tDrama\n", r"ml-100k.item: record 5: duplicate item_id 2 \(also record 3\)"),
+        ("user", "3\tinf\tF\twriter\t10001\n", r"ml-100k.user: record 4: age 'inf' is not an integer"),
+    ],
+)
+def test_malformed_records_name_file_and_line(tmp_path, file, row, message):
+    """Overflowing, infinite and out-of-range values, unknown users and duplicate ids: MovieLensFormatError
+    naming the file and the record, never OverflowError or a huge allocation."""
+    users = "1\t24\tM\ttechnician\t85711\n2\t53\tF\tother\t94043\n"
+    items = "1\tToy Story\t1995\tAnimation Comedy\n2\tHeat\tunkonwn\tAction\n3\tX\t1990\tDrama\n"
+    inter = ["1\t1\t4\t5\n"]
+    if file == "inter":
+        inter.append(row)
+    elif file == "user":
+        users += row
+    else:
+        items += row
+    _write(tmp_path, inter, users=users, items=items)
+    with pytest.raises(MovieLensFormatError, match=message):
+        read_movielens_100k(tmp_path)
+
+
+def test_the_recbole_wheel_is_checked_against_its_known_sha256(tmp_path):
+    """A wheel with the right files but not the released bytes is refused before anything is extracted; a
+    cache whose files differ from the released ones is not trusted either."""
+    import zipfile
+
+    from gem_train.data.movielens import DataFetchError
+
+    fake = tmp_path / "recbole-1.2.1-py3-none-any.whl"
+    with zipfile.ZipFile(fake, "w") as z:
+        for name, body in (("inter", INTER + "1\t1\t4\t5\n"), ("user", USER), ("item", ITEM)):
+            z.writestr(f"recbole/dataset_example/ml-100k/ml-100k.{name}", body)
+    with pytest.raises(DataFetchError, match=r"sha256 [0-9a-f]{64} is not the known sha256 of recbole-1.2.1"):
+        fetch_movielens_100k(tmp_path / "cache", wheel=fake)
+    assert not (tmp_path / "cache" / "ml-100k").exists()
+    # A tampered cache: re-extracted from the (fake, refused) wheel found in the cache directory.
+    cached = tmp_path / "cache" / "ml-100k"
+    cached.mkdir(parents=True)
+    _write(cached, ["1\t1\t4\t5\n"])
+    (tmp_path / "cache" / fake.name).write_bytes(fake.read_bytes())
+    with pytest.raises(DataFetchError, match="is not the known sha256"):
+        fetch_movielens_100k(tmp_path / "cache")

@@ -62,6 +62,30 @@ def elem_format(dtype: torch.dtype) -> ElemFormat:
         ) from None
 
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Block sizes every MX path supports: the Triton kernels are compiled for these (tl.dot needs K tiles of at
+# least 16), and the CPU reference accepts the same ones so a config behaves alike on both.
+BLOCK_SIZES = (16, 32, 64, 128)
+
+
+def check_float_tensor(fn: str, name: str, t: object) -> None:
+    """``t`` must be a torch tensor of fp16/bf16/fp32/fp64 (integer, bool, complex and FP8 inputs are
+    refused); ``fn`` and ``name`` name the function and the argument in the error."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{fn}: {name} must be a floating-point tensor (fp16, bf16, fp32, fp64), got {t.dtype}"
+        )
+
+
+def check_block_size(fn: str, block_size: object) -> int:
+    """``block_size`` must be one of :data:`BLOCK_SIZES`."""
+    if isinstance(block_size, bool) or block_size not in BLOCK_SIZES:
+        raise ValueError(f"{fn}: block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
+    return int(block_size)
+
+
 def has_e8m0_dtype() -> bool:
     """Whether this torch has ``torch.float8_e8m0fnu`` (2.7+)."""
     return hasattr(torch, "float8_e8m0fnu")

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gem_precision.formats import check_float_tensor
 from gem_precision.mx import MXTensor, mx_mm, random_hadamard, to_mx
 from gem_precision.recipe import Recipe
 from gem_precision.rowwise import fp8_rowwise_mm
@@ -191,6 +192,7 @@ class MXFP8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_float_tensor("MXFP8Linear", "input", x)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if self.recipe.gemms == ("bf16", "bf16", "bf16"):

@@ -7,11 +7,18 @@ from dataclasses import dataclass
 import torch
 
 from gem_precision import reference
-from gem_precision.formats import ROUNDINGS, SCALE_MODES, elem_format, has_e8m0_dtype
+from gem_precision.formats import (
+    BLOCK_SIZES,
+    ROUNDINGS,
+    SCALE_MODES,
+    check_block_size,
+    check_float_tensor,
+    elem_format,
+    has_e8m0_dtype,
+)
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Block sizes the Triton kernels are compiled for (tl.dot needs K tiles of at least 16).
-TRITON_BLOCK_SIZES = (16, 32, 64, 128)
+# Block sizes the Triton kernels are compiled for; every path accepts only these.
+TRITON_BLOCK_SIZES = BLOCK_SIZES
 BACKENDS = ("auto", "triton", "reference")
 
 
@@ -140,7 +147,7 @@ def to_mx(
         x: fp16 / bf16 / fp32 / fp64 tensor of any shape (values are taken in fp32). The blocked dimension
             may be any length: a last partial block is quantized as if padded with zeros.
         axis: the blocked dimension (K of the GEMM the result feeds).
-        block_size: elements per block (32 in the spec).
+        block_size: elements per block: 16, 32 (the spec's), 64 or 128 (what the kernels support).
         elem_dtype: ``torch.float8_e4m3fn`` (max 448) or ``torch.float8_e5m2`` (max 57344).
         scale_mode: ``"rceil"`` (nothing saturates) or ``"floor"`` (the spec's; large elements saturate).
         rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased with ``"rceil"``).
@@ -154,14 +161,10 @@ def to_mx(
     Returns:
         An :class:`MXTensor`. See :mod:`gem_precision.reference` for zeros, NaN, Inf and subnormals.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"to_mx expects a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"to_mx needs a floating-point tensor (fp16, bf16, fp32, fp64), got {x.dtype}")
+    check_float_tensor("to_mx", "x", x)
     if x.dim() == 0:
         raise ValueError("to_mx needs at least one dimension")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    check_block_size("to_mx", block_size)
     fmt = elem_format(elem_dtype)
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
@@ -214,6 +217,11 @@ def _check_mm_operands(a: MXTensor, b: MXTensor) -> None:
             raise TypeError(f"mx_mm: {name} must be an MXTensor, got {type(t).__name__}")
         if t.data.dim() != 2:
             raise ValueError(f"mx_mm: {name} must be 2-D, got shape {tuple(t.shape)}")
+        if t.data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise TypeError(f"mx_mm: {name}.data must be float8_e4m3fn or float8_e5m2, got {t.data.dtype}")
+        if t.scale.dtype != torch.uint8 and not (has_e8m0_dtype() and t.scale.dtype == torch.float8_e8m0fnu):
+            raise TypeError(f"mx_mm: {name}.scale must be uint8 (E8M0) scales, got {t.scale.dtype}")
+        check_block_size("mx_mm", t.block_size)
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"mx_mm: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
     if not a.blocked_along(1):

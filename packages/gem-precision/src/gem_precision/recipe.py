@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem_precision.formats import SCALE_MODES, elem_format
+from gem_precision.formats import SCALE_MODES, check_block_size, elem_format
 
 GEMM_FORMATS = ("mxfp8", "fp8_rowwise", "bf16")
 
@@ -62,6 +62,7 @@ class Recipe:
         elem_format(self.grad_elem_dtype)
         if self.scale_mode not in SCALE_MODES:
             raise ValueError(f"Recipe.scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
+        check_block_size("Recipe", self.block_size)
         if self.hadamard and self.square_blocks:
             raise ValueError("Recipe: hadamard and square_blocks cannot be combined")
 

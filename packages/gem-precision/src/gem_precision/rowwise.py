@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gem_precision.formats import elem_format
+from gem_precision.formats import check_float_tensor, elem_format
 
 # Row maxima below this are treated as this, so all-zero rows get a finite scale.
 _AMAX_EPS = 1e-12
@@ -39,6 +39,7 @@ def quantize_rowwise(
         ``(data, scale)``: data ``[R, C]`` (``[C, R]`` with ``transpose``), contiguous, ``elem_dtype``;
         scale ``[rows, 1]`` fp32.
     """
+    check_float_tensor("quantize_rowwise", "x", x)
     if x.dim() != 2:
         raise ValueError(f"quantize_rowwise needs a 2-D tensor, got shape {tuple(x.shape)}")
     if x.is_cuda:
@@ -104,8 +105,20 @@ def fp8_rowwise_mm(
     Returns:
         ``[M, N]`` of ``out_dtype``.
     """
+    for name, t in (("a", a), ("b", b)):
+        check_float_tensor("fp8_rowwise_mm", name, t)
+        if t.dim() != 2:
+            raise ValueError(f"fp8_rowwise_mm: {name} must be 2-D, got shape {tuple(t.shape)}")
     m, k = (a.shape[1], a.shape[0]) if a_t else tuple(a.shape)
-    n = b.shape[1] if b_t else b.shape[0]
+    n, kb = (b.shape[1], b.shape[0]) if b_t else tuple(b.shape)
+    if k != kb:
+        # Name the operands as they were passed (not the transposes computed here).
+        ka = f"a.shape[{0 if a_t else 1}]" + (" (a_t=True)" if a_t else "")
+        kbn = f"b.shape[{0 if b_t else 1}]" + (" (b_t=True)" if b_t else "")
+        raise ValueError(
+            f"fp8_rowwise_mm: K differs: a has shape {tuple(a.shape)} and b has shape {tuple(b.shape)}; "
+            f"{ka} = {k} but {kbn} = {kb}"
+        )
     if k == 0 or m == 0 or n == 0:  # an empty sum (e.g. wgrad of an empty batch) or an empty result
         return torch.zeros((m, n), dtype=out_dtype, device=a.device)
     qa, sa = quantize_rowwise(a, elem_dtype, transpose=a_t)

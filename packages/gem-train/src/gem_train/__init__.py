@@ -13,6 +13,8 @@ from gem_train.checkpoint import (
     read_trainer_state,
     save_best_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
+    wait_for_checkpoints,
 )
 from gem_train.config import SHIPPED_CONFIGS, ConfigError, TrainConfig, load_config
 from gem_train.data.loader import BatchSource, LoadedBatch, make_eval_loader, make_train_loader
@@ -85,4 +87,6 @@ __all__ = [
     "save_best_checkpoint",
     "save_checkpoint",
     "selection_value",
+    "verify_checkpoint",
+    "wait_for_checkpoints",
 ]

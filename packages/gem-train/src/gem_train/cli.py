@@ -8,6 +8,7 @@
     gem-train data movielens-100k [--cache-dir D] [--wheel W]
     gem-train data synthetic [--config C] [key=value ...]
     gem-train config [--config C] [key=value ...]     print the resolved config
+    gem-train launch [torchrun options] COMMAND ...     torchrun that exits 0 after a signal once all saved
 
 ``--config`` takes a TOML file or a shipped config name (tiny-cpu, movielens, base-h200).
 """
@@ -23,6 +24,21 @@ from pathlib import Path
 from gem_train.config import SHIPPED_CONFIGS, ConfigError, TrainConfig, config_from_dict, load_config
 
 __all__ = ["main"]
+
+
+def _count(minimum: int):
+    """argparse type: an int >= ``minimum`` (a usage error, exit 2, otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,13 +73,13 @@ def _parser() -> argparse.ArgumentParser:
         default="test",
         help="the held-out split: test (default) or valid (the validation split used for model selection)",
     )
-    e.add_argument("--batches", type=int, default=0, help="evaluate only the first N batches (0: all)")
+    e.add_argument("--batches", type=_count(0), default=0, help="evaluate only the first N batches (0: all)")
     e.add_argument("overrides", nargs="*", help=ov_help + " (applied to the checkpoint's config)")
 
     be = sub.add_parser("bench", help="measure examples/s, step time, MFU and peak memory")
     be.add_argument("--config", default=None, help=cfg_help)
-    be.add_argument("--steps", type=int, default=20)
-    be.add_argument("--warmup", type=int, default=5)
+    be.add_argument("--steps", type=_count(1), default=20)
+    be.add_argument("--warmup", type=_count(0), default=5)
     be.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     be.add_argument("overrides", nargs="*", help=ov_help)
 
@@ -79,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the resolved config as TOML")
     c.add_argument("--config", default=None, help=cfg_help)
     c.add_argument("overrides", nargs="*", help=ov_help)
+
+    la = sub.add_parser(
+        "launch",
+        help="torchrun (same options) running a gem-train command on every worker; exits 0 after "
+        "SIGTERM/SIGINT once every worker saved its checkpoint",
+    )
+    la.add_argument("torchrun_and_command", nargs=argparse.REMAINDER, help="[torchrun options] COMMAND ...")
     return p
 
 
@@ -98,12 +121,14 @@ def _checkpoint_config(ckpt: Path, overrides: list[str]) -> tuple[TrainConfig, P
 
 
 def _train(cfg: TrainConfig, resume: str | None) -> int:
+    from gem_train.launch import write_worker_status
     from gem_train.trainer import Trainer
 
     trainer = Trainer(cfg, resume=resume)
     if trainer.dist.is_main:
         print(f"gem-train: run directory {trainer.run.root}", file=sys.stderr)
     result = trainer.fit()
+    write_worker_status(result.status, result.step, result.last_checkpoint)
     if trainer.dist.is_main:
         if result.final_eval is not None:
             print(f"evaluation after {result.step} steps (test split, final model):")
@@ -214,13 +239,19 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``gem-train``; returns the exit status (2: usage or config error, 1: failure)."""
+    """Entry point of ``gem-train``; returns the exit status (2: usage or config error, 1: failure,
+    128 + signal: stopped at once by a second SIGTERM/SIGINT)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:
+        from gem_train.launch import main as launch_main
+
+        return launch_main(argv[1:])
     args = _parser().parse_args(argv)
     # DCP warns on every single-process save/load that it assumes one process: that is the intent here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     from gem_train.checkpoint import CheckpointError
     from gem_train.data.movielens import DataFetchError, MovieLensFormatError
-    from gem_train.trainer import NonFiniteLossError
+    from gem_train.trainer import NonFiniteLossError, StopNow
 
     try:
         if args.command is None:
@@ -258,6 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     ) as e:
         print(f"gem-train: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # a second signal (StopNow), or Ctrl-C outside the training loop
+        import signal
+
+        signum = e.signum if isinstance(e, StopNow) else signal.SIGINT
+        print(
+            f"gem-train: {signal.Signals(signum).name}: stopped at once, without a new checkpoint (the "
+            "newest complete one, if any, resumes with --resume)",
+            file=sys.stderr,
+        )
+        return 128 + int(signum)
     finally:
         import torch.distributed as dist
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import math
+import re
 import tomllib
 import types
 import typing
@@ -51,6 +53,45 @@ class ConfigError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------------------
+# Range checks (each section's validate() uses these; types are checked at load time)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _int_in(key: str, value: int, lo: int, hi: int | None = None) -> None:
+    if value < lo or (hi is not None and value > hi):
+        rng = f"in [{lo}, {hi}]" if hi is not None else (f"> {lo - 1}" if lo == 1 else f">= {lo}")
+        raise ConfigError(f"{key} must be {rng}, got {value!r}")
+
+
+def _real(
+    key: str,
+    value: float,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> None:
+    """``value`` must be finite and within the bounds (open or closed)."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    below = lo is not None and (value <= lo if lo_open else value < lo)
+    above = hi is not None and (value >= hi if hi_open else value > hi)
+    if below or above:
+        if lo is not None and hi is not None:
+            rng = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        elif lo is not None:
+            rng = f"{'>' if lo_open else '>='} {lo:g}"
+        else:
+            rng = f"{'<' if hi_open else '<='} {hi:g}"
+        raise ConfigError(f"{key} must be {rng}, got {value!r}")
+
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+# --------------------------------------------------------------------------------------------------------
 # The schema
 # --------------------------------------------------------------------------------------------------------
 
@@ -68,6 +109,22 @@ class RunConfig:
     # processes also use made steps up to 50x slower on a shared 2-core machine (measured).
     cpu_threads: int = 1
 
+    def validate(self, key: str = "run") -> None:
+        if not _RUN_NAME.match(self.name):
+            raise ConfigError(
+                f"{key}.name must be letters, digits, '.', '_', '+' or '-' (it names the run directory), "
+                f"got {self.name!r}"
+            )
+        if not self.out_dir:
+            raise ConfigError(f"{key}.out_dir must name a directory, got ''")
+        # NumPy's legacy seeding takes [0, 2**32); torch takes any of these.
+        _int_in(f"{key}.seed", self.seed, 0, 2**32 - 1)
+        if not _DEVICE.match(self.device):
+            raise ConfigError(
+                f"{key}.device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}"
+            )
+        _int_in(f"{key}.cpu_threads", self.cpu_threads, 0, 4096)
+
 
 @dataclass
 class BaselineConfig:
@@ -75,6 +132,11 @@ class BaselineConfig:
 
     embedding_dim: int = 16
     hidden: list[int] = field(default_factory=lambda: [128, 64])  # [] = logistic regression
+
+    def validate(self, key: str = "model.baseline") -> None:
+        _int_in(f"{key}.embedding_dim", self.embedding_dim, 1)
+        for i, h in enumerate(self.hidden):
+            _int_in(f"{key}.hidden[{i}]", h, 1)
 
 
 @dataclass
@@ -89,6 +151,13 @@ class ModelSection:
     name: str = "tiny"
     overrides: dict[str, Any] = field(default_factory=dict)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
+
+    def validate(self, key: str = "model") -> None:
+        # The name and the overrides belong to gem-model: checked against it when the run is built
+        # (gem_train.model_factory.build_gem_config), still before the run directory exists.
+        if not self.name:
+            raise ConfigError(f"{key}.name must name a gem-model config (e.g. 'tiny'), got ''")
+        self.baseline.validate(f"{key}.baseline")
 
 
 @dataclass
@@ -115,6 +184,29 @@ class SyntheticConfig:
     # their own random stream (split code "valid"), disjoint from the training and the test streams.
     valid_examples: int = 0
 
+    def validate(self, key: str = "data.synthetic") -> None:
+        for name in (
+            "num_users",
+            "num_items",
+            "num_categories",
+            "num_advertisers",
+            "max_len",
+            "eval_examples",
+        ):
+            _int_in(f"{key}.{name}", getattr(self, name), 1)
+        if self.num_actions < 2:
+            raise ConfigError(
+                f"{key}.num_actions must be >= 2 (views and clicks at least), got {self.num_actions!r}"
+            )
+        for name in ("n_dense", "train_examples_per_epoch", "valid_examples"):
+            _int_in(f"{key}.{name}", getattr(self, name), 0)
+        _real(f"{key}.history_lognormal_mu", self.history_lognormal_mu, -50.0, 50.0)
+        _real(f"{key}.history_lognormal_sigma", self.history_lognormal_sigma, 0.0, 50.0)
+        _real(f"{key}.history_zipf_a", self.history_zipf_a, 1.0, None, lo_open=True)  # NumPy's zipf: a > 1
+        _real(f"{key}.item_zipf_s", self.item_zipf_s, 0.0, 50.0)
+        _real(f"{key}.base_ctr_logit", self.base_ctr_logit, -50.0, 50.0)
+        _real(f"{key}.base_cvr_logit", self.base_cvr_logit, -50.0, 50.0)
+
 
 @dataclass
 class MovieLensConfig:
@@ -129,6 +221,20 @@ class MovieLensConfig:
     like_threshold: int = 4  # label = rating >= like_threshold
     max_users: int = 0  # 0: all users; >0 keeps the first users (tests use a small slice)
 
+    def validate(self, key: str = "data.movielens") -> None:
+        _int_in(f"{key}.max_len", self.max_len, 1)
+        _real(f"{key}.eval_fraction", self.eval_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
+        if not (math.isfinite(self.valid_fraction) and 0.0 <= self.valid_fraction < 1.0) or (
+            self.eval_fraction + self.valid_fraction >= 1.0
+        ):
+            raise ConfigError(
+                f"{key}.valid_fraction must be in [0, 1) with eval_fraction + valid_fraction < 1, "
+                f"got {self.valid_fraction!r} (eval_fraction {self.eval_fraction!r})"
+            )
+        # Ratings are 1..5: a threshold of 1 makes every label positive, above 5 every label negative.
+        _int_in(f"{key}.like_threshold", self.like_threshold, 2, 5)
+        _int_in(f"{key}.max_users", self.max_users, 0)
+
 
 @dataclass
 class DataConfig:
@@ -140,6 +246,13 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the main process)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     movielens: MovieLensConfig = field(default_factory=MovieLensConfig)
+
+    def validate(self, key: str = "data") -> None:
+        _int_in(f"{key}.batch_size", self.batch_size, 1)
+        _int_in(f"{key}.eval_batch_size", self.eval_batch_size, 1)
+        _int_in(f"{key}.num_workers", self.num_workers, 0, 256)
+        self.synthetic.validate(f"{key}.synthetic")
+        self.movielens.validate(f"{key}.movielens")
 
 
 @dataclass
@@ -156,6 +269,18 @@ class OptimConfig:
     sparse_lr: float = 0.05
     sparse_eps: float = 1e-8
     grad_clip: float = 1.0  # max global norm of the dense gradients; 0 disables clipping
+
+    def validate(self, key: str = "optim") -> None:
+        _real(f"{key}.lr", self.lr, 0.0, None, lo_open=True)
+        _real(f"{key}.weight_decay", self.weight_decay, 0.0)
+        _real(f"{key}.beta1", self.beta1, 0.0, 1.0, hi_open=True)
+        _real(f"{key}.beta2", self.beta2, 0.0, 1.0, hi_open=True)
+        _real(f"{key}.eps", self.eps, 0.0, None, lo_open=True)
+        _int_in(f"{key}.warmup_steps", self.warmup_steps, 0)
+        _real(f"{key}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _real(f"{key}.sparse_lr", self.sparse_lr, 0.0, None, lo_open=True)
+        _real(f"{key}.sparse_eps", self.sparse_eps, 0.0, None, lo_open=True)
+        _real(f"{key}.grad_clip", self.grad_clip, 0.0)
 
 
 @dataclass
@@ -180,6 +305,15 @@ class TrainerConfig:
     progress_bar: bool = True
     compile: bool = False  # torch.compile the model
 
+    def validate(self, key: str = "train") -> None:
+        _int_in(f"{key}.steps", self.steps, 1)
+        _int_in(f"{key}.log_every", self.log_every, 1)
+        for name in ("eval_every", "eval_batches", "valid_every", "valid_batches", "max_skipped_batches"):
+            _int_in(f"{key}.{name}", getattr(self, name), 0)
+        if not self.select_task:
+            raise ConfigError(f"{key}.select_task must name a task (e.g. 'ctr') or be 'mean'")
+        _real(f"{key}.peak_flops", self.peak_flops, 0.0)
+
 
 @dataclass
 class PrecisionConfig:
@@ -193,6 +327,10 @@ class PrecisionConfig:
     min_features: int = 128  # layers narrower than this stay unconverted
     keep_last_blocks: int = 0  # keep the last N layers unconverted (the most sensitive)
 
+    def validate(self, key: str = "precision") -> None:
+        _int_in(f"{key}.min_features", self.min_features, 0)
+        _int_in(f"{key}.keep_last_blocks", self.keep_last_blocks, 0)
+
 
 @dataclass
 class CheckpointConfig:
@@ -201,6 +339,10 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0: only at the end (and on SIGTERM/Ctrl-C)
     keep_last: int = 3
     resume_from: str = ""  # a checkpoint directory, or "latest" for this config's newest run
+
+    def validate(self, key: str = "checkpoint") -> None:
+        _int_in(f"{key}.every", self.every, 0)
+        _int_in(f"{key}.keep_last", self.keep_last, 1)
 
 
 @dataclass
@@ -216,67 +358,15 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> None:
-        """Check value ranges (types are checked at load time); raise :class:`ConfigError` naming the key."""
-        positive = {
-            "data.batch_size": self.data.batch_size,
-            "data.eval_batch_size": self.data.eval_batch_size,
-            "train.steps": self.train.steps,
-            "train.log_every": self.train.log_every,
-            "checkpoint.keep_last": self.checkpoint.keep_last,
-            "data.synthetic.num_users": self.data.synthetic.num_users,
-            "data.synthetic.num_items": self.data.synthetic.num_items,
-            "data.synthetic.num_categories": self.data.synthetic.num_categories,
-            "data.synthetic.num_advertisers": self.data.synthetic.num_advertisers,
-            "data.synthetic.num_actions": self.data.synthetic.num_actions,
-            "data.synthetic.max_len": self.data.synthetic.max_len,
-            "data.synthetic.eval_examples": self.data.synthetic.eval_examples,
-            "data.movielens.max_len": self.data.movielens.max_len,
-            "optim.lr": self.optim.lr,
-            "optim.sparse_lr": self.optim.sparse_lr,
-        }
-        for key, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"{key} must be > 0, got {value!r}")
-        non_negative = {
-            "data.num_workers": self.data.num_workers,
-            "run.cpu_threads": self.run.cpu_threads,
-            "train.eval_every": self.train.eval_every,
-            "train.eval_batches": self.train.eval_batches,
-            "train.valid_every": self.train.valid_every,
-            "train.valid_batches": self.train.valid_batches,
-            "data.synthetic.valid_examples": self.data.synthetic.valid_examples,
-            "train.peak_flops": self.train.peak_flops,
-            "optim.warmup_steps": self.optim.warmup_steps,
-            "optim.weight_decay": self.optim.weight_decay,
-            "optim.grad_clip": self.optim.grad_clip,
-            "checkpoint.every": self.checkpoint.every,
-            "precision.min_features": self.precision.min_features,
-            "precision.keep_last_blocks": self.precision.keep_last_blocks,
-            "data.synthetic.n_dense": self.data.synthetic.n_dense,
-            "data.synthetic.train_examples_per_epoch": self.data.synthetic.train_examples_per_epoch,
-            "data.movielens.max_users": self.data.movielens.max_users,
-        }
-        for key, value in non_negative.items():
-            if value < 0:
-                raise ConfigError(f"{key} must be >= 0, got {value!r}")
-        if not 0.0 <= self.optim.min_lr_ratio <= 1.0:
-            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.optim.min_lr_ratio!r}")
-        if not 0.0 < self.data.movielens.eval_fraction < 1.0:
-            raise ConfigError(
-                f"data.movielens.eval_fraction must be in (0, 1), got {self.data.movielens.eval_fraction!r}"
-            )
-        ml = self.data.movielens
-        if not 0.0 <= ml.valid_fraction < 1.0 or ml.eval_fraction + ml.valid_fraction >= 1.0:
-            raise ConfigError(
-                f"data.movielens.valid_fraction must be in [0, 1) with eval_fraction + valid_fraction < 1, "
-                f"got {ml.valid_fraction!r} (eval_fraction {ml.eval_fraction!r})"
-            )
-        if not self.train.select_task:
-            raise ConfigError("train.select_task must name a task (e.g. 'ctr') or be 'mean'")
-        if self.model.baseline.embedding_dim <= 0 or any(h <= 0 for h in self.model.baseline.hidden):
-            raise ConfigError("model.baseline.embedding_dim and model.baseline.hidden must be positive")
-        if self.data.synthetic.num_actions < 2:
-            raise ConfigError("data.synthetic.num_actions must be >= 2 (views and clicks at least)")
+        """Check every value's range (types are checked at load time), section by section; raise
+        :class:`ConfigError` naming the dotted key."""
+        self.run.validate("run")
+        self.model.validate("model")
+        self.data.validate("data")
+        self.optim.validate("optim")
+        self.train.validate("train")
+        self.precision.validate("precision")
+        self.checkpoint.validate("checkpoint")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -451,6 +541,10 @@ def load_config(source: str | Path | None = None, overrides: list[str] | None = 
     source = "tiny-cpu" if source is None else source
     path = Path(source)
     if path.suffix == ".toml" or path.exists():
+        if path.is_dir():
+            raise ConfigError(
+                f"config {str(path)!r} is a directory; pass a TOML file or a shipped config name"
+            )
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         text, origin = path.read_text(encoding="utf-8"), str(path)

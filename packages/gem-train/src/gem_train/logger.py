@@ -72,6 +72,12 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     path = Path(path)
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    keep = [ln for ln in keep if json.loads(ln)["step"] <= last_step]
+    keep = []
+    for ln in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(ln)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill mid-write
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= last_step:
+            keep.append(ln)
     path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")

@@ -28,6 +28,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,11 +43,17 @@ import gem_model
 from gem_model import GemBatch
 from gem_train.checkpoint import (
     best_checkpoint,
+    checkpoint_pending,
+    checkpoint_step,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
+    prune_checkpoints,
     read_trainer_state,
     save_best_checkpoint,
     save_checkpoint,
+    set_aside_checkpoint,
+    wait_for_checkpoints,
 )
 from gem_train.compile import apply_compile
 from gem_train.config import ConfigError, TrainConfig, config_to_dict, dumps_toml
@@ -54,7 +61,7 @@ from gem_train.data.loader import BatchSource, make_eval_loader, make_train_load
 from gem_train.logger import MetricsLogger, read_metrics, truncate_metrics
 from gem_train.metrics import BinaryMetrics, binary_entropy, binary_metrics
 from gem_train.mfu import device_peak_flops
-from gem_train.model_factory import BuiltModel, build_model
+from gem_train.model_factory import BuiltModel, build_gem_config, build_model
 from gem_train.optim import build_optimizers, lr_factor, set_lr
 from gem_train.plots import plot_curves, plot_reliability
 from gem_train.run_dir import RunDir, create_run_dir
@@ -62,7 +69,9 @@ from gem_train.run_dir import RunDir, create_run_dir
 __all__ = [
     "DistInfo",
     "EvalResult",
+    "EvaluationInterrupted",
     "NonFiniteLossError",
+    "StopNow",
     "TrainResult",
     "Trainer",
     "build_source",
@@ -75,6 +84,19 @@ __all__ = [
 
 class NonFiniteLossError(RuntimeError):
     """The loss (or the dense gradient norm) became NaN/Inf; the message names the step."""
+
+
+class EvaluationInterrupted(Exception):
+    """An evaluation stopped early because ``should_stop`` said so (a SIGTERM/SIGINT during it)."""
+
+
+class StopNow(KeyboardInterrupt):
+    """A second SIGTERM/SIGINT while the first is being handled: the run stops at once, without a
+    checkpoint (the newest complete one stays). ``signum`` is the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"second {signal.Signals(signum).name}: stopped at once")
+        self.signum = signum
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -160,6 +182,11 @@ def multitask_loss(logits: dict[str, Tensor], batch: GemBatch, tasks: tuple[str,
         bce = F.binary_cross_entropy_with_logits(logits[t].float(), batch.labels[:, j], reduction="none")
         losses.append((bce * m).sum() / m.sum().clamp_min(1))
     return torch.stack(losses).mean()
+
+
+def _is_step_checkpoint(path: Path) -> bool:
+    """A periodic/final ``step_<N>`` checkpoint (or its ``.replaced-`` copy), not a ``best_step_<N>``."""
+    return re.match(r"^(\.replaced-)?step_\d+$", path.name) is not None
 
 
 class _Window:
@@ -269,13 +296,16 @@ def evaluate_model(
     step: int = 0,
     max_batches: int = 0,
     split: str = "eval",
+    should_stop: Callable[[], bool] | None = None,
 ) -> EvalResult:
     """NE, AUC, calibration and log loss of every task on a held-out split of ``source``.
 
     ``split``: "eval" (the test split, default) or "valid" (the validation split). Ranks evaluate disjoint
     batches; the predictions are gathered so every rank returns the same result. ``max_batches = 0``
     evaluates the whole split. On synthetic data the result also holds the NE of the hidden ground-truth
-    model on the same labels (the floor).
+    model on the same labels (the floor). ``should_stop`` (collective with several ranks: every rank calls
+    it equally often, before each of the first ``batches // world_size`` batches) ends the evaluation early
+    with :class:`EvaluationInterrupted` when it returns True.
     """
     tasks = tuple(source.spec.tasks)
     device = dist_info.device
@@ -296,8 +326,16 @@ def evaluate_model(
         if autocast_dtype is not None
         else contextlib.nullcontext()
     )
+    total = source.num_batches(split, cfg.data.eval_batch_size) or 0
+    checked = (
+        min(total, max_batches) if max_batches else total
+    ) // dist_info.world_size  # every rank has these
     probs, labels, masks, truth = [], [], [], []
-    for lb in loader:
+    for i, lb in enumerate(loader):
+        if should_stop is not None and i < checked and should_stop():
+            if was_training:
+                model.train()
+            raise EvaluationInterrupted(f"the evaluation of the {split} split at step {step} was interrupted")
         batch = lb.batch.to(device, non_blocking=True)
         with ctx:
             logits = model(batch)
@@ -349,6 +387,15 @@ class Trainer:
         resume = resume or cfg.checkpoint.resume_from or None
         self.resume_from = self._resolve_resume(resume) if resume else None
 
+        # Everything that can reject the config comes before the run directory exists: the dataset (a corrupt
+        # MovieLens record), the selection task, the model's overrides.
+        self.source = build_source(cfg)
+        self.spec = self.source.spec
+        self.tasks = tuple(self.spec.tasks)
+        self._check_selection()
+        if cfg.model.arch == "gem":
+            build_gem_config(cfg.model, self.spec)
+
         # The run directory: rank 0 creates it (or reuses the resumed run's), everyone learns the path.
         root = [str(self.resume_from.parent.parent)] if self.resume_from else [None]
         if self.dist.is_main and root[0] is None:
@@ -360,9 +407,6 @@ class Trainer:
             self.run.make()
             self.run.config.write_text(dumps_toml(config_to_dict(cfg)), encoding="utf-8")
 
-        self.source = build_source(cfg)
-        self.spec = self.source.spec
-        self.tasks = tuple(self.spec.tasks)
         self.built: BuiltModel = build_model(cfg.model, self.spec, self.device, cfg.run.seed, cfg.precision)
         self.model = self.built.model
         dense_params = list(self.model.dense_parameters())
@@ -389,7 +433,6 @@ class Trainer:
         self.autocast_dtype = self._autocast_dtype()
         self.peak_flops = device_peak_flops(self.device, cfg.train.peak_flops)
         self.logger = MetricsLogger(self.run.metrics, self.run.tensorboard, enabled=self.dist.is_main)
-        self._check_selection()
 
         self.start_step = 0
         self.skipped = 0
@@ -417,14 +460,31 @@ class Trainer:
         self.losses: list[float] = []
         self._stop_signal: int | None = None
         self.last_checkpoint: Path | None = self.resume_from
+        # A checkpoint is *good* once a finite step has been computed from its state. Until then it is
+        # unconfirmed, and the good one before it is kept (never pruned) and named as "the last good
+        # checkpoint" if training diverges; the unconfirmed one is then set aside.
+        self._unconfirmed: Path | None = None
+        self._last_good: Path | None = None
+        self._saved_step: int | None = None  # the step of the newest step_<N> checkpoint of this state
+        if self.resume_from is not None and _is_step_checkpoint(self.resume_from):
+            self._saved_step = self.start_step
+            self._unconfirmed = self.resume_from
+            older = [
+                c for c in list_checkpoints(self.run.checkpoints) if checkpoint_step(c) < self.start_step
+            ]
+            self._last_good = older[-1] if older else None
 
     # -- setup helpers ---------------------------------------------------------------------------------------
 
     def _check_selection(self) -> None:
         t = self.cfg.train
-        if not t.valid_every:
-            return
-        if not self.source.num_batches("valid", self.cfg.data.eval_batch_size):
+        # The task is checked even when no selection runs: every config value is range-checked.
+        if t.select_task != "mean" and t.select_task not in self.tasks:
+            raise ConfigError(
+                f"train.select_task = {t.select_task!r} is not a task of this dataset "
+                f"({', '.join(self.tasks)}) nor 'mean'"
+            )
+        if t.valid_every and not self.source.num_batches("valid", self.cfg.data.eval_batch_size):
             key = (
                 "data.movielens.valid_fraction"
                 if self.cfg.data.source == "movielens-100k"
@@ -433,11 +493,6 @@ class Trainer:
             raise ConfigError(
                 f"train.valid_every = {t.valid_every} needs a validation split, but the dataset has none "
                 f"(set {key} > 0, or train.valid_every = 0)"
-            )
-        if t.select_task != "mean" and t.select_task not in self.tasks:
-            raise ConfigError(
-                f"train.select_task = {t.select_task!r} is not a task of this dataset "
-                f"({', '.join(self.tasks)}) nor 'mean'"
             )
 
     def _resolve_resume(self, resume: str | Path) -> Path:
@@ -480,8 +535,8 @@ class Trainer:
     # -- signals --------------------------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._stop_signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
+        if self._stop_signal is not None:
+            raise StopNow(signum)  # a second signal: stop now, without a checkpoint
         self._stop_signal = signum
 
     def _install_signals(self) -> dict[int, Any]:
@@ -512,6 +567,12 @@ class Trainer:
         }
 
     def save(self, step: int) -> Path:
+        """Checkpoint the current state as ``step`` (all ranks call). The last good checkpoint is kept
+        whatever ``checkpoint.keep_last`` says until a finite step confirms this one.
+
+        Returns once the files are written: the seal (hashing, manifest, rename, pruning) runs in the
+        background while training goes on (:func:`gem_train.checkpoint.wait_for_checkpoints`)."""
+        protect = [self._last_good] if self._last_good is not None else []
         path = save_checkpoint(
             self.run.checkpoints,
             step,
@@ -519,15 +580,53 @@ class Trainer:
             self.optimizers,
             self._extra(step),
             self.cfg.checkpoint.keep_last,
+            protect=protect,
+            background=True,
         )
         self.last_checkpoint = path
+        self._unconfirmed = path
+        self._saved_step = step
         return path
+
+    def _save_unless_saved(self, step: int) -> None:
+        """Save ``step`` unless its state is already the newest checkpoint (a periodic save, or the
+        checkpoint this run resumed from, at this very step): saving the same state twice gains nothing."""
+        if self._saved_step != step:
+            self.save(step)
+
+    def _confirm_checkpoint(self) -> None:
+        """A finite step was computed from the unconfirmed checkpoint's state: it is good; the good one it
+        superseded may now be pruned by ``keep_last``."""
+        if self._unconfirmed is None:
+            return
+        self._last_good, self._unconfirmed = self._unconfirmed, None
+        # While a seal is in flight its own pruning (and the next save's) does this: it never waits here.
+        if self.dist.is_main and not checkpoint_pending():
+            prune_checkpoints(self.run.checkpoints, self.cfg.checkpoint.keep_last, protect=[self._last_good])
+
+    def _set_aside_unconfirmed(self) -> str:
+        """Training diverged: the unconfirmed checkpoint (whose state gave the non-finite step) is renamed
+        out of the way, so resuming the run takes the last good one. Returns a sentence for the error."""
+        wait_for_checkpoints()  # every rank is here (the loss is averaged): the unconfirmed one is sealed
+        ck, self._unconfirmed = self._unconfirmed, None
+        if ck is None or not _is_step_checkpoint(ck):
+            return ""
+        if self.dist.is_main and ck.exists():
+            moved = set_aside_checkpoint(ck)
+            return f"; {ck.name}, saved since the last finite step, was set aside as {moved.name}"
+        return ""
 
     # -- evaluation -----------------------------------------------------------------------------------------
 
-    def evaluate(self, step: int, max_batches: int | None = None, split: str = "eval") -> EvalResult:
+    def evaluate(
+        self,
+        step: int,
+        max_batches: int | None = None,
+        split: str = "eval",
+        should_stop: Callable[[], bool] | None = None,
+    ) -> EvalResult:
         """Evaluate every task on ``split``: "eval" (test) or "valid" (sharded over ranks, gathered on every
-        rank)."""
+        rank); ``should_stop`` as in :func:`evaluate_model`."""
         default = self.cfg.train.eval_batches if split == "eval" else self.cfg.train.valid_batches
         n = default if max_batches is None else max_batches
         return evaluate_model(
@@ -539,6 +638,7 @@ class Trainer:
             step=step,
             max_batches=n,
             split=split,
+            should_stop=should_stop,
         )
 
     def _validate(self, step: int) -> None:
@@ -556,9 +656,11 @@ class Trainer:
                 "value": value,
                 "valid": {t: m.as_dict() for t, m in ev.tasks.items()},
             }
-            save_best_checkpoint(self.run.checkpoints, step, self.model, self.optimizers, extra)
+            save_best_checkpoint(
+                self.run.checkpoints, step, self.model, self.optimizers, extra, background=True
+            )
 
-    def evaluate_best(self) -> EvalResult | None:
+    def evaluate_best(self, should_stop: Callable[[], bool] | None = None) -> EvalResult | None:
         """The test split of the best-validation checkpoint, loaded from disk into a fresh model (None if
         there is none)."""
         found = best_checkpoint(self.run.checkpoints)
@@ -577,18 +679,88 @@ class Trainer:
             self.autocast_dtype,
             step=int(state["step"]),
             max_batches=n,
+            should_stop=should_stop,
         )
 
     # -- the loop -------------------------------------------------------------------------------------------
 
     def fit(self, stop_after: int | None = None) -> TrainResult:
-        """Train to ``train.steps`` (or stop and checkpoint after step ``stop_after``, for tests)."""
+        """Train to ``train.steps`` (or stop and checkpoint after step ``stop_after``, for tests), checkpoint,
+        and evaluate the final (and the best-validation) model on the test split.
+
+        SIGTERM/SIGINT at any point of it (the final evaluation included) finishes the step, makes sure a
+        checkpoint of it exists, prints how to resume and returns with status "interrupted"; a second signal
+        raises :class:`StopNow` at once.
+        """
+        d = self.dist
+        old_handlers = self._install_signals()
+        final_eval: EvalResult | None = None
+        best_eval: EvalResult | None = None
+        where = ""
+        try:
+            step, status = self._train_loop(stop_after)
+            self._save_unless_saved(step)
+            wait_for_checkpoints()  # the final (and best) checkpoints in place before anything reads them
+            if status == "completed" and self._should_stop():
+                status = "interrupted"  # a signal during the last save
+            if status == "completed":
+                try:
+                    final_eval, best_eval = self._final_evaluation(step)
+                except EvaluationInterrupted:
+                    status, where = "interrupted", " during the final evaluation"
+            if status == "interrupted" and d.is_main:
+                name = signal.Signals(self._stop_signal).name if self._stop_signal else "signal"
+                then = " (it runs the final evaluation)" if where else ""
+                print(
+                    f"gem-train: {name} received{where}: stopped after step {step}; checkpoint "
+                    f"{self.last_checkpoint} is complete\n"
+                    f"  resume with: gem-train train --resume {self.last_checkpoint}{then}",
+                    file=sys.stderr,
+                )
+        except BaseException:
+            self.logger.close()  # keep what was logged readable (TensorBoard flushes on close)
+            raise
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+        self.logger.close()
+        best_ck = best_checkpoint(self.run.checkpoints) if self.best is not None else None
+        return TrainResult(
+            self.run.root,
+            step,
+            status,
+            list(self.losses),
+            final_eval,
+            self.last_checkpoint,
+            best_step=self.best[0] if self.best else None,
+            best_valid_ne=self.best[1] if self.best else None,
+            best_checkpoint=best_ck,
+            best_eval=best_eval,
+        )
+
+    def _final_evaluation(self, step: int) -> tuple[EvalResult, EvalResult | None]:
+        """The test split of the final model and of the best-validation checkpoint; eval.json and plots."""
+        final_eval = self.evaluate(step, should_stop=self._should_stop)
+        self.logger.log(step, "eval", final_eval.as_flat_dict())
+        best_eval = None
+        if self.best is not None:
+            # The selected checkpoint, loaded back from disk (also when it is the last step: this checks that
+            # checkpoints/best loads), on the test split.
+            best_eval = self.evaluate_best(should_stop=self._should_stop)
+            if best_eval is not None:
+                row = best_eval.as_flat_dict()
+                row["best_step"] = best_eval.step
+                self.logger.log(step, "best_eval", row)
+        if self.dist.is_main:
+            self._write_final(final_eval, best_eval)
+        return final_eval, best_eval
+
+    def _train_loop(self, stop_after: int | None) -> tuple[int, str]:
+        """Steps from ``start_step`` to ``train.steps``; returns the last step and the status."""
         cfg, d = self.cfg, self.dist
         total = cfg.train.steps
         step = self.start_step
         status = "completed"
-        final_eval: EvalResult | None = None
-        old_handlers = self._install_signals()
         from tqdm.auto import tqdm
 
         bar = tqdm(
@@ -640,6 +812,7 @@ class Trainer:
                         o.zero_grad(set_to_none=True)
                     bar.update(1)
                     continue
+                self._confirm_checkpoint()  # this finite step was computed from the newest checkpoint's state
                 for o in self.optimizers:
                     o.step()
                 for o in self.optimizers:
@@ -662,55 +835,9 @@ class Trainer:
                     status = "stopped"
                 elif self._should_stop():
                     status = "interrupted"
-        except BaseException:
-            self.logger.close()  # keep what was logged readable (TensorBoard flushes on close)
-            raise
         finally:
             bar.close()
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-
-        if (
-            status != "completed"
-            or self.last_checkpoint is None
-            or not self.last_checkpoint.name.endswith(f"{step:08d}")
-        ):
-            self.save(step)
-        if status == "interrupted" and d.is_main:
-            name = signal.Signals(self._stop_signal).name if self._stop_signal else "signal"
-            print(
-                f"gem-train: {name} received: stopped after step {step}, checkpoint {self.last_checkpoint}\n"
-                f"  resume with: gem-train train --resume {self.last_checkpoint}",
-                file=sys.stderr,
-            )
-        best_eval: EvalResult | None = None
-        if status == "completed":
-            final_eval = self.evaluate(step)
-            self.logger.log(step, "eval", final_eval.as_flat_dict())
-            if self.best is not None:
-                # The selected checkpoint, loaded back from disk (also when it is the last step: this checks
-                # that checkpoints/best loads), on the test split.
-                best_eval = self.evaluate_best()
-                if best_eval is not None:
-                    row = best_eval.as_flat_dict()
-                    row["best_step"] = best_eval.step
-                    self.logger.log(step, "best_eval", row)
-            if d.is_main:
-                self._write_final(final_eval, best_eval)
-        self.logger.close()
-        best_ck = best_checkpoint(self.run.checkpoints) if self.best is not None else None
-        return TrainResult(
-            self.run.root,
-            step,
-            status,
-            list(self.losses),
-            final_eval,
-            self.last_checkpoint,
-            best_step=self.best[0] if self.best else None,
-            best_valid_ne=self.best[1] if self.best else None,
-            best_checkpoint=best_ck,
-            best_eval=best_eval,
-        )
+        return step, status
 
     def _step_values(self, loss: Tensor, grad_norm: Tensor) -> tuple[float, float]:
         """``(loss, grad_norm)`` as floats in one device-to-host copy; the loss averaged over ranks.
@@ -733,21 +860,25 @@ class Trainer:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def _handle_non_finite(self, step: int, what: str) -> None:
-        ck = self.last_checkpoint
-        keep = f"the last good checkpoint is {ck}" if ck else "no checkpoint was written yet"
         if self.cfg.train.nan_policy == "skip":
             self.skipped += 1
             if self.dist.is_main:
                 print(f"gem-train: non-finite {what} at step {step}: batch skipped", file=sys.stderr)
-            if self.skipped > self.cfg.train.max_skipped_batches:
-                raise NonFiniteLossError(
-                    f"non-finite {what} at step {step}: more than train.max_skipped_batches = "
-                    f"{self.cfg.train.max_skipped_batches} batches skipped; {keep}"
-                )
-            return
-        raise NonFiniteLossError(
-            f"non-finite {what} at step {step}: training stopped (train.nan_policy = 'stop'); {keep}"
+            if self.skipped <= self.cfg.train.max_skipped_batches:
+                return
+            why = (
+                f"more than train.max_skipped_batches = {self.cfg.train.max_skipped_batches} batches skipped"
+            )
+        else:
+            why = "training stopped (train.nan_policy = 'stop')"
+        aside = self._set_aside_unconfirmed()
+        ck = self._last_good
+        keep = (
+            f"the last good checkpoint is {ck} (resume with: gem-train train --resume {ck})"
+            if ck
+            else "no good checkpoint was written yet"
         )
+        raise NonFiniteLossError(f"non-finite {what} at step {step}: {why}; {keep}{aside}")
 
     def _log_train(self, step: int, w: _Window, bar: Any) -> None:
         if self.device.type == "cuda":

@@ -10,6 +10,7 @@ every checkpoint; a resumed stream starts from it (:func:`make_train_loader` wit
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -80,6 +81,14 @@ class BatchStream(IterableDataset):
             k += n_workers
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM/SIGINT to the main process: torchrun signals a worker's whole
+    process group and Ctrl-C the terminal's, and a loader worker killed by it would make the main process
+    fail mid-step instead of finishing the step and checkpointing. The main process shuts them down."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _loader(stream: BatchStream, num_workers: int, pin: bool) -> DataLoader:
     return DataLoader(
         stream,
@@ -91,6 +100,7 @@ def _loader(stream: BatchStream, num_workers: int, pin: bool) -> DataLoader:
         # A private generator: creating a DataLoader iterator draws a base seed, which would otherwise
         # come from (and move) the global torch RNG that exact resume restores.
         generator=torch.Generator().manual_seed(0),
+        worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
     )
 
 

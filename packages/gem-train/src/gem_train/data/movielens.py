@@ -30,6 +30,7 @@ Features (only from the past or from static attributes, so nothing leaks the lab
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -57,6 +58,17 @@ __all__ = [
 ]
 
 RECBOLE = "recbole==1.2.1"
+# sha256 of recbole-1.2.1-py3-none-any.whl on PyPI (the only file of that release), and of the three files
+# taken from it: a download or a cache that differs is refused.
+RECBOLE_WHEEL_SHA256 = "9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d5f33a407"
+FILE_SHA256 = {
+    "ml-100k.inter": "4edb74e2a81178c2ba9ff381495f754f996c4aea351b1272ca36b43da0935eff",
+    "ml-100k.user": "4f670007d9cfbeb9807e757209af1555b9bcc186bde25e767f67cb67c6dd5972",
+    "ml-100k.item": "51d7cdf777ce5c0f5b32c1d947a4a81fe07d75e78abbe761e0cd4d0756064532",
+}
+# Unix seconds before 2100: ML-100K's timestamps are 1997-98; a larger value is a corrupt record (and would
+# overflow int64 arithmetic further on if it were near 2**63).
+_MAX_TIMESTAMP = 4_102_444_800
 _WHEEL_DIR = "recbole/dataset_example/ml-100k/"
 _FILES = ("ml-100k.inter", "ml-100k.user", "ml-100k.item")
 _N_DENSE = 8
@@ -104,7 +116,7 @@ def fetch_movielens_100k(cache_dir: str | Path | None = None, wheel: str | Path 
     """
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     out = cache / "ml-100k"
-    if all((out / f).is_file() for f in _FILES):
+    if all((out / f).is_file() and _sha256(out / f) == FILE_SHA256[f] for f in _FILES):
         return out
     cache.mkdir(parents=True, exist_ok=True)
     if wheel is None:
@@ -121,6 +133,12 @@ def fetch_movielens_100k(cache_dir: str | Path | None = None, wheel: str | Path 
             if not found:
                 raise DataFetchError(f"pip reported success but no recbole wheel is in {cache}")
         wheel = found[0]
+    got = _sha256(Path(wheel))
+    if got != RECBOLE_WHEEL_SHA256:
+        raise DataFetchError(
+            f"{wheel}: sha256 {got} is not the known sha256 of recbole-1.2.1-py3-none-any.whl "
+            f"({RECBOLE_WHEEL_SHA256}): refusing a corrupt or substituted wheel (delete it and fetch again)"
+        )
     tmp = cache / "ml-100k.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -139,6 +157,12 @@ def fetch_movielens_100k(cache_dir: str | Path | None = None, wheel: str | Path 
 # ----------------------------------------------------------------------------------------------------------
 # Parsing
 # ----------------------------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _read_table(path: Path, header: list[str]) -> list[tuple[int, list[str]]]:
@@ -169,17 +193,44 @@ def _read_table(path: Path, header: list[str]) -> list[tuple[int, list[str]]]:
     return rows
 
 
-def _int(path: Path, line: int, name: str, text: str, lo: int | None = None, hi: int | None = None) -> int:
+def _int(path: Path, line: int, name: str, text: str, lo: int, hi: int, why: str = "") -> int:
+    """The integer of a field (``12`` or ``12.0``) within ``[lo, hi]``, else :class:`MovieLensFormatError`
+    naming the file, the record and the field (never OverflowError: ``inf``, ``1e400``, huge values)."""
+    t = text.strip()
     try:
-        v = float(text)
-        if v != int(v):
-            raise ValueError
-        v = int(v)
+        v = int(t)
     except ValueError:
-        raise MovieLensFormatError(f"{path}: record {line}: {name} {text!r} is not an integer") from None
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise MovieLensFormatError(f"{path}: record {line}: {name} {v} outside [{lo}, {hi}]")
+        try:
+            f = float(t)
+        except ValueError:
+            f = math.nan
+        if not math.isfinite(f) or f != math.floor(f):
+            raise MovieLensFormatError(f"{path}: record {line}: {name} {text!r} is not an integer") from None
+        if not -(2.0**62) <= f <= 2.0**62:
+            raise MovieLensFormatError(
+                f"{path}: record {line}: {name} {text!r} outside [{lo}, {hi}]{why}"
+            ) from None
+        v = int(f)
+    if not lo <= v <= hi:
+        raise MovieLensFormatError(f"{path}: record {line}: {name} {text.strip()} outside [{lo}, {hi}]{why}")
     return v
+
+
+def _unique_ids(path: Path, rows: list[tuple[int, list[str]]], name: str) -> list[int]:
+    """The ids (first column) of a ``.user``/``.item`` file: ML-100K numbers them consecutively from 1, so
+    each must lie in [1, number of records] and occur once."""
+    n = len(rows)
+    if n == 0:
+        raise MovieLensFormatError(f"{path}: no records")
+    why = f" (ML-100K numbers its {n} {name.split('_')[0]}s consecutively from 1)"
+    ids, seen = [], {}
+    for ln, f in rows:
+        v = _int(path, ln, name, f[0], 1, n, why)
+        if v in seen:
+            raise MovieLensFormatError(f"{path}: record {ln}: duplicate {name} {v} (also record {seen[v]})")
+        seen[v] = ln
+        ids.append(v)
+    return ids
 
 
 @dataclass
@@ -217,7 +268,7 @@ def read_movielens_100k(directory: str | Path, max_users: int = 0) -> MovieLensE
     inter = _read_table(d / "ml-100k.inter", ["user_id", "item_id", "rating", "timestamp"])
 
     p = d / "ml-100k.user"
-    uids = [_int(p, ln, "user_id", f[0], 1) for ln, f in users]
+    uids = _unique_ids(p, users, "user_id")
     num_users = max(uids) + 1
     age = np.zeros(num_users, np.int64)
     gender = np.zeros(num_users, np.int64)
@@ -231,7 +282,7 @@ def read_movielens_100k(directory: str | Path, max_users: int = 0) -> MovieLensE
         occ[u] = occ_vocab.setdefault(f[3], len(occ_vocab))
 
     p = d / "ml-100k.item"
-    iids = [_int(p, ln, "item_id", f[0], 1) for ln, f in items]
+    iids = _unique_ids(p, items, "item_id")
     num_items = max(iids) + 1
     year = np.zeros(num_items, np.int64)
     genres: list[list[int]] = [[] for _ in range(num_items)]
@@ -240,16 +291,19 @@ def read_movielens_100k(directory: str | Path, max_users: int = 0) -> MovieLensE
         # release_year is a *token* column: mostly a year, but "unkonwn" (sic) and "V" occur; any token
         # that is not a plausible year is an unknown year (0).
         tok = f[2].strip()
-        year[i] = int(tok) if tok.isdigit() and 1900 <= int(tok) <= 2100 else 0
+        year[i] = int(tok) if tok.isascii() and tok.isdigit() and 1900 <= int(tok) <= 2100 else 0
         genres[i] = [genre_vocab.setdefault(g, len(genre_vocab)) for g in f[3].split()][:_MAX_GENRES]
 
     p = d / "ml-100k.inter"
     n = len(inter)
     arr = np.zeros((n, 4), np.int64)
+    no_user = f" (no such user in {d / 'ml-100k.user'})"
+    no_item = f" (no such item in {d / 'ml-100k.item'})"
     for k, (ln, f) in enumerate(inter):
-        u = _int(p, ln, "user_id", f[0], 1, num_users - 1)
-        i = _int(p, ln, "item_id", f[1], 1, num_items - 1)
-        arr[k] = (u, i, _int(p, ln, "rating", f[2], 1, 5), _int(p, ln, "timestamp", f[3], 0))
+        u = _int(p, ln, "user_id", f[0], 1, num_users - 1, no_user)
+        i = _int(p, ln, "item_id", f[1], 1, num_items - 1, no_item)
+        ts = _int(p, ln, "timestamp", f[3], 0, _MAX_TIMESTAMP, " (Unix seconds before 2100)")
+        arr[k] = (u, i, _int(p, ln, "rating", f[2], 1, 5), ts)
     if max_users > 0:
         arr = arr[arr[:, 0] <= max_users]
     order = np.lexsort((arr[:, 1], arr[:, 3], arr[:, 0]))  # by user, then time, then item
