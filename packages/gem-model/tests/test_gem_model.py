@@ -316,3 +316,20 @@ def test_attention_pairs_closed_forms_match_mask_counts():
                 assert got == want, (kind, causal, window, block)
     with pytest.raises(ValueError, match="unknown attention kind"):
         gm.attention_pairs([3], "sparse", causal=True, window=0, block_size=4)
+
+
+def test_ensemble_halves_compose_to_forward():
+    # gate_weights + expert_sum is forward, bit for bit; a partial sum over a subset adds up to the whole.
+    torch.manual_seed(0)
+    config = gm.get_config("tiny")
+    layer = gm.GemLayer(config, 0)
+    layer.reset_parameters()  # a bare layer is allocated, not initialised
+    ens = layer.mixer
+    torch.nn.init.normal_(ens.gate.weight)  # a gate that is not uniform
+    nn_in = config.n_tokens + config.n_seq_summary_tokens
+    x = torch.randn(3, nn_in, config.d_model)
+    w = ens.gate_weights(x)
+    assert w.shape == (3, config.n_experts) and w.dtype == torch.float32
+    assert torch.equal(ens.expert_sum(x, w), ens(x))
+    parts = [ens.expert_sum(x, w, [(e, ens.experts[e])]) for e in range(config.n_experts)]
+    torch.testing.assert_close(sum(parts), ens(x))

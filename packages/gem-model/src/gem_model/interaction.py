@@ -5,6 +5,8 @@ Shapes: non-sequence tokens ``[B, n, d]``; history ``[total, d]`` jagged with of
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -113,9 +115,10 @@ class WukongLayer(nn.Module):
 class WukongEnsemble(nn.Module):
     """A DHEN-style gated ensemble (mixture of Wukong experts), ``[B, n_in, d] -> [B, n_out, d]``.
 
-    Every expert sees every sample; a softmax gate on the mean input token weighs them per sample.
-    Experts live in ``self.experts`` (a ModuleList) so expert parallelism can place them on different
-    ranks. With one expert the gate is skipped.
+    Every expert sees every sample; a softmax gate on the mean input token weighs them per sample:
+    ``forward(x) = expert_sum(x, gate_weights(x))``. Experts live in ``self.experts`` (a ModuleList) and
+    the two halves are public, so expert parallelism can place experts on different ranks and sum a
+    subset of them without repeating the gate. With one expert the gate is skipped.
     """
 
     def __init__(self, n_experts: int, make_expert, d_model: int, device=None) -> None:
@@ -131,13 +134,29 @@ class WukongEnsemble(nn.Module):
             nn.init.zeros_(self.gate.weight)
             nn.init.zeros_(self.gate.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def gate_weights(self, x: Tensor) -> Tensor | None:
+        """Per-sample expert weights: x ``[B, n_in, d]`` -> ``[B, n_experts]`` float32 (softmax over
+        experts of the gate applied to the mean input token); None with one expert (no gate)."""
         if self.gate is None:
-            return self.experts[0](x)
-        weights = torch.softmax(self.gate(x.mean(dim=1)).float(), dim=-1)  # [B, E]
+            return None
+        return torch.softmax(self.gate(x.mean(dim=1)).float(), dim=-1)
+
+    def expert_sum(
+        self, x: Tensor, weights: Tensor, experts: Iterable[tuple[int, nn.Module]] | None = None
+    ) -> Tensor:
+        """``sum_e weights[:, e] * expert_e(x)`` over ``(e, expert)`` pairs (default: every expert, in
+        order), ``[B, n_out, d]``. ``weights`` is ``[B, n_experts]`` from :meth:`gate_weights`; ``e`` is
+        the expert's index in the whole ensemble (a subset of experts gives a partial sum)."""
         out = None
-        for e, expert in enumerate(self.experts):
+        for e, expert in enumerate(self.experts) if experts is None else experts:
             y = expert(x)
             y = y * weights[:, e, None, None].to(y.dtype)
             out = y if out is None else out + y
+        if out is None:
+            raise ValueError("WukongEnsemble.expert_sum: no experts to sum")
         return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gate is None:
+            return self.experts[0](x)
+        return self.expert_sum(x, self.gate_weights(x))

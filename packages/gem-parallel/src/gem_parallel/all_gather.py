@@ -1,0 +1,215 @@
+"""8-bit FSDP all-gather: each rank quantizes its own weight shard, the all-gather carries FP8 bytes.
+
+The weights of large linear layers are wrapped (before ``fully_shard``) in :class:`QuantizedAllGatherWeight`,
+a tensor subclass that FSDP2 recognises by its extension points:
+
+- ``fsdp_pre_all_gather``: the rank's shard (fp32 master rows ``[R/s, K]``) is quantized to E4M3 and
+  handed to the all-gather as ``uint8`` rows (gloo has no float8 type; NCCL moves bytes either way), each
+  followed by its scale bytes. "fp8": one fp32 scale per row (gem-precision ``quantize_rowwise``).
+  "mxfp8": one E8M0 scale per 32 elements along K (gem-precision ``to_mx``). FSDP2 shards dim 0 (rows),
+  so row scales and K-blocks never cross a shard boundary: no rank needs another's data to quantize,
+  and the gathered payload is exactly the quantization of the whole weight.
+- ``fsdp_post_all_gather``: the gathered bytes are dequantized into the unsharded weight in FSDP's
+  ``param_dtype``. Backward sees that weight as it is (the straight-through estimator of torchao's
+  float8 all-gather); gradients reduce-scatter in ``reduce_dtype`` into the fp32 master as usual.
+
+Bytes per element gathered: 1 + 4/K ("fp8") or 1 + 1/32 ("mxfp8"), against 2 for bf16.
+
+Limits (checked on every rank before any collective, see :func:`check_quantized_all_gather`): 2-D
+``nn.Linear`` weights of at least ``min_numel`` elements; their rows must split evenly over the shard group
+(FSDP2 pads uneven shards, and its extension API then admits only all-gather inputs of exactly the padded
+shard's shape, leaving no room for the scales); "mxfp8" also needs K divisible by 32, so every block is
+whole. Other parameters keep FSDP's own all-gather.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from gem_precision import MXTensor, quantize_rowwise, to_mx
+
+__all__ = [
+    "MX_BLOCK",
+    "QUANTIZED_FORMATS",
+    "QuantizedAllGatherWeight",
+    "check_quantized_all_gather",
+    "enable_quantized_all_gather",
+    "quantized_all_gather_targets",
+]
+
+QUANTIZED_FORMATS = ("fp8", "mxfp8")
+MX_BLOCK = 32
+_E4M3 = torch.float8_e4m3fn
+
+# FSDP2 builds the sharded and padded local tensor with these ops; they must return the subclass so the
+# shard FSDP all-gathers from still carries the extension points (the ops torchao preserves, too).
+_PRESERVE = {
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.copy_.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten._pin_memory.default,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.clone.default,
+}
+
+
+class QuantizedAllGatherWeight(torch.Tensor):
+    """A weight (or a shard of it) whose FSDP2 all-gather moves 8-bit payloads.
+
+    Wraps a plain tensor ``_tensor`` (the fp32 master data); every op but FSDP's sharding ops sees the
+    plain tensor, so optimizers and ``state_dict`` work as for the bare parameter.
+
+    Args:
+        tensor: the weight ``[N, K]`` (or its local shard).
+        fmt: "fp8" (row-wise scales) or "mxfp8" (32-element blocks along K).
+    """
+
+    _tensor: torch.Tensor
+    _fmt: str
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, fmt: str):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )  # fmt: skip
+
+    def __init__(self, tensor: torch.Tensor, fmt: str) -> None:
+        if fmt not in QUANTIZED_FORMATS:
+            raise ValueError(f"QuantizedAllGatherWeight: fmt must be one of {QUANTIZED_FORMATS}, got {fmt!r}")
+        self._tensor = tensor
+        self._fmt = fmt
+
+    def __repr__(self) -> str:
+        return f"QuantizedAllGatherWeight(fmt={self._fmt}, tensor={self._tensor})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        fmt = next(a._fmt for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        if func is torch.ops.aten.detach.default:
+            return cls(args[0]._tensor.detach(), fmt)
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _PRESERVE:
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, fmt), out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], self._fmt
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, fmt, outer_size, outer_stride):
+        return QuantizedAllGatherWeight(inner_tensors["_tensor"], fmt)
+
+    # -- FSDP2 extension points ---------------------------------------------------------------------------
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """Quantize this rank's shard ``[r, K]`` into one ``uint8 [r, K + s]`` all-gather input: each row's
+        K E4M3 bytes followed by its ``s`` scale bytes (fp32 row scale: ``s = 4``; E8M0 block scales:
+        ``s = K / 32``). One input keeps rows and their scales together, whatever FSDP2's path (its
+        one-rank path copies a single input)."""
+        shard = self._tensor
+        if self._fmt == "fp8":
+            data, scale = quantize_rowwise(shard, _E4M3)
+        else:
+            mx = to_mx(shard, axis=-1, block_size=MX_BLOCK, elem_dtype=_E4M3, scale_mode="rceil")
+            data, scale = mx.data, mx.scale
+        scale_bytes = scale.contiguous().view(torch.uint8).reshape(shard.shape[0], -1)
+        return (torch.cat([data.view(torch.uint8), scale_bytes], dim=1),), None
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ):
+        """Dequantize the gathered rows ``uint8 [N, K + s]`` into the unsharded weight ``[N, K]`` of
+        ``param_dtype`` (written into ``out`` when FSDP reuses its buffer)."""
+        (packed,) = all_gather_outputs
+        k = self.shape[1]
+        data, scale_bytes = packed[:, :k], packed[:, k:].contiguous()
+        scale = scale_bytes.view(torch.float32) if self._fmt == "fp8" else scale_bytes
+        weight = dequantize_gathered(data, scale, self._fmt, param_dtype)
+        if out is not None:
+            # FSDP re-gathers into the buffer backward saved from forward: the same values, so the
+            # version counter must not move (as FSDP2's own copy-out does).
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(weight)
+            return None
+        return weight, (weight,)
+
+
+def dequantize_gathered(
+    data: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight ``[N, K]`` of ``dtype`` from E4M3 bytes ``data [N, K]`` uint8 and ``scale`` (fp32
+    ``[N, 1]`` for "fp8", uint8 E8M0 ``[N, K/32]`` for "mxfp8")."""
+    values = data.view(_E4M3)
+    if fmt == "fp8":
+        return (values.to(torch.float32) * scale).to(dtype)
+    return MXTensor(values, scale, MX_BLOCK, 1, torch.float32).dequantize(dtype)
+
+
+def quantized_all_gather_targets(
+    model: nn.Module, min_numel: int, ignored: set[nn.Parameter] | None = None
+) -> list[tuple[str, nn.Linear]]:
+    """``(name, linear)`` of the linear layers whose weight gets the 8-bit all-gather: 2-D weights of at
+    least ``min_numel`` elements, outside ``ignored``."""
+    ignored = ignored or set()
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+        and m.weight.dim() == 2
+        and m.weight.numel() >= min_numel
+        and m.weight not in ignored
+    ]
+
+
+def check_quantized_all_gather(
+    targets: list[tuple[str, nn.Linear]], fmt: str, shard_sizes: dict[str, int]
+) -> None:
+    """Raises ``ValueError`` naming the first weight that cannot take the ``fmt`` all-gather.
+
+    Args:
+        targets: from :func:`quantized_all_gather_targets`.
+        fmt: "fp8" or "mxfp8".
+        shard_sizes: FSDP shard-group size per target name (experts shard over fewer ranks).
+    """
+    if fmt not in QUANTIZED_FORMATS:
+        raise ValueError(f"all_gather must be one of {QUANTIZED_FORMATS} here, got {fmt!r}")
+    for name, linear in targets:
+        n, k = linear.weight.shape
+        shards = shard_sizes[name]
+        if n % shards:
+            raise ValueError(
+                f"all_gather={fmt!r}: {name}.weight [{n}, {k}] has {n} rows, which do not split evenly over "
+                f"the {shards} ranks of its FSDP shard group (an unevenly sharded weight cannot carry its "
+                "scales through FSDP2's all-gather); raise all_gather_min_numel above "
+                f"{linear.weight.numel()} to keep it in FSDP's own all-gather"
+            )
+        if fmt == "mxfp8" and k % MX_BLOCK:
+            raise ValueError(
+                f"all_gather='mxfp8': {name}.weight [{n}, {k}] cannot be cut into whole {MX_BLOCK}-element "
+                f"MX blocks along K={k}; raise all_gather_min_numel above {linear.weight.numel()} "
+                "or use 'fp8'"
+            )
+
+
+def enable_quantized_all_gather(targets: list[tuple[str, nn.Linear]], fmt: str) -> None:
+    """Wrap each target's weight in :class:`QuantizedAllGatherWeight` (in place; call before ``fully_shard``
+    and after :func:`check_quantized_all_gather`)."""
+    for _, linear in targets:
+        w = linear.weight
+        linear.weight = nn.Parameter(QuantizedAllGatherWeight(w.data, fmt), requires_grad=w.requires_grad)
