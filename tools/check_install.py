@@ -13,12 +13,17 @@ files; the second step (``pip install --force-reinstall --no-deps fbgemm-gpu-cpu
 back. For gem-model the check also shows that the state between the two steps, and a real wrong pairing
 (the fbgemm-gpu-cpu built for the next torch), fail at ``import gem_model`` with gem's own diagnosis.
 
+For gem-train, whose extras cover gem-model's and gem-parallel's, ``pip install --dry-run`` of
+``gem-train[cuda]`` checks that the CUDA line of the READMEs resolves (CI has no GPU to run it on).
+
 Downloads go once into a shared wheelhouse: each environment resolves with ``pip download`` (files
 already there are not fetched again), then installs from the wheelhouse with ``--no-index``, which holds
 exactly the files the resolution chose. (pip's HTTP cache does not keep files served without cache
-headers, as this machine's index mirror serves them.)
+headers, as this machine's index mirror serves them.) The environments go to a RAM folder (/dev/shm) when
+it has room: writing and deleting torch's and fbgemm's files is most of the wall time on a shared disk.
 
-Usage: ``python3 tools/check_install.py [--only PKG ...] [--work DIR] [--keep]``; exits 1 on a failure.
+Usage: ``python3 tools/check_install.py [--only PKG ...] [--work DIR] [--venvs DIR] [--keep]``;
+exits 1 on a failure.
 """
 
 from __future__ import annotations
@@ -77,6 +82,25 @@ def cpu_pin(pkg: str, dist: str) -> str | None:
     return None
 
 
+def _cuda_pins(pkg: str) -> list[str]:
+    """The exact pins ``pkg[cuda]`` brings, following gem extras."""
+    out = []
+    for req in _project(pkg).get("optional-dependencies", {}).get("cuda", []):
+        if _name(req).startswith("gem-") and "[cuda]" in req:
+            out += _cuda_pins(_name(req))
+        else:
+            out.append(req.split(";")[0].strip())
+    return sorted(set(out))
+
+
+def _venv_root(work: Path) -> Path:
+    """Where the environments go: RAM (/dev/shm) when it holds two at once with room to spare."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 16 * 2**30:
+        return Path(tempfile.mkdtemp(prefix="gem-install-venvs-", dir=shm))
+    return work
+
+
 def _run(cmd: list[str], *, cwd: Path | None = None, check: bool = True, timeout: float = 1800):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
@@ -131,9 +155,9 @@ class Check:
     """One package in its own fresh environment. ``resolve`` runs alone (it writes the shared
     wheelhouse); ``install_and_test`` may run beside other packages' (it only reads it)."""
 
-    def __init__(self, pkg: str, dist: Path, wheelhouse: Path, work: Path, python: str) -> None:
-        self.pkg, self.wheelhouse, self.work, self.python = pkg, wheelhouse, work, python
-        self.venv = work / f"venv-{pkg}"
+    def __init__(self, pkg: str, dist: Path, wheelhouse: Path, work: Path, venvs: Path, python: str) -> None:
+        self.pkg, self.dist, self.wheelhouse, self.work, self.python = pkg, dist, wheelhouse, work, python
+        self.venv = venvs / f"venv-{pkg}"
         self.py = self.venv / "bin" / "python"
         has_cpu = "cpu" in _project(pkg).get("optional-dependencies", {})
         self.args = [f"{_wheel(dist, pkg)}[cpu]" if has_cpu else str(_wheel(dist, pkg))]
@@ -178,6 +202,10 @@ class Check:
             t0 = time.perf_counter()
             self._wrong_pairing(installed["torch"])
             self._timed("wrong pairing", t0)
+        if "cuda" in _project(self.pkg).get("optional-dependencies", {}) and self.pkg == PACKAGES[-1]:
+            t0 = time.perf_counter()
+            self._cuda_resolves()
+            self._timed("[cuda] resolution", t0)
         t0 = time.perf_counter()
         shutil.rmtree(self.venv)  # here, so that it overlaps the other environments' work
         self._timed("clean-up", t0)
@@ -209,6 +237,21 @@ class Check:
         self.log.append(f"wrong pairing ({wrong}): {error.splitlines()[0][:150]}...")
         self.log.extend(error.splitlines()[1:])
 
+    def _cuda_resolves(self) -> None:
+        """``pip install --dry-run PKG[cuda]``: the CUDA extras resolve to the pinned set, no CPU build."""
+        args = [f"{_wheel(self.dist, self.pkg)}[cuda]", *self.args[1:]]
+        report = self.work / f"report-{self.pkg}-cuda.json"
+        self._pip("download", *PIP_NET, "--dest", str(self.wheelhouse), *args)
+        self._pip("install", *self.local, "--dry-run", "--ignore-installed", "--report", str(report), *args)
+        chosen = {
+            _name(i["metadata"]["name"]): i["metadata"]["version"]
+            for i in json.loads(report.read_text())["install"]
+        }
+        want = {_name(r): r.split("==")[1] for r in _cuda_pins(self.pkg) if "==" in r}
+        got = {d: chosen.get(d) for d in want}
+        assert got == want and "fbgemm-gpu-cpu" not in chosen, (got, want)
+        self.log.append(f"{self.pkg}[cuda] resolves: " + ", ".join(f"{d} {v}" for d, v in got.items()))
+
     def report(self) -> str:
         times = ", ".join(f"{k} {v:.0f}s" for k, v in self.times.items())
         return "\n    ".join([f"  {self.log[0]}", *self.log[1:], f"times: {times}"])
@@ -218,6 +261,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=PACKAGES, help="check only these packages")
     parser.add_argument("--work", type=Path, help="work folder (default: a temporary one)")
+    parser.add_argument("--venvs", type=Path, help="folder of the environments (default: RAM if room)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (wheelhouse, reports)")
     parser.add_argument("--jobs", type=int, default=2, help="environments installed and tested at once")
     parser.add_argument("--python", default=shutil.which("python3") or sys.executable)
@@ -225,13 +269,16 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="gem-install-"))
     work.mkdir(parents=True, exist_ok=True)
     dist, wheelhouse = work / "dist", work / "wheelhouse"
+    venvs = args.venvs or _venv_root(work)
+    venvs.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        print(f"python: {_run([args.python, '-VV']).stdout.strip()}; work: {work}", flush=True)
+        python = _run([args.python, "-VV"]).stdout.strip()
+        print(f"python: {python}; work: {work}; environments: {venvs}", flush=True)
         build(dist)
         check_distributions(dist)
         print(f"  built and checked in {time.perf_counter() - start:.0f}s", flush=True)
-        checks = [Check(pkg, dist, wheelhouse, work, args.python) for pkg in args.only or PACKAGES]
+        checks = [Check(pkg, dist, wheelhouse, work, venvs, args.python) for pkg in args.only or PACKAGES]
         for check in checks:
             check.resolve()
         print(f"  resolved and downloaded in {time.perf_counter() - start:.0f}s", flush=True)
@@ -241,6 +288,8 @@ def main() -> int:
                 future.result()
                 print(futures[future].report(), flush=True)
     finally:
+        if venvs != work:
+            shutil.rmtree(venvs, ignore_errors=True)
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     print(f"install check passed in {time.perf_counter() - start:.0f}s")

@@ -21,7 +21,9 @@ def _message(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str], variant:
 
 
 def test_fbgemm_built_for_another_torch_names_both_versions_and_the_extras(monkeypatch):
-    msg = _message(monkeypatch, {"torch": "2.13.0+cpu", "torchrec": "1.9.2", "fbgemm-gpu-cpu": "1.9.0"}, "cpu")
+    msg = _message(
+        monkeypatch, {"torch": "2.13.0+cpu", "torchrec": "1.9.2", "fbgemm-gpu-cpu": "1.9.0"}, "cpu"
+    )
     assert "undefined symbol" in msg  # the original error is kept
     assert "Found: torch 2.13.0+cpu, torchrec 1.9.2, fbgemm-gpu-cpu 1.9.0." in msg
     assert "fbgemm-gpu-cpu 1.9.0 is built for torch 2.14, but torch is 2.13.0+cpu" in msg
@@ -47,7 +49,11 @@ def test_missing_fbgemm(monkeypatch):
 
 def test_torch_minor_for_fbgemm_follows_the_release_table():
     # FBGEMM's table: 1.6 <-> 2.11, 1.8 <-> 2.13, 1.9 <-> 2.14; 0.x releases are not mapped.
-    assert [_stack.torch_minor_for_fbgemm(v) for v in ("1.6.0", "1.8.0", "1.9.0")] == [(2, 11), (2, 13), (2, 14)]
+    assert [_stack.torch_minor_for_fbgemm(v) for v in ("1.6.0", "1.8.0", "1.9.0")] == [
+        (2, 11),
+        (2, 13),
+        (2, 14),
+    ]
     assert _stack.torch_minor_for_fbgemm("0.8.0") is None
 
 
@@ -79,5 +85,7 @@ def test_import_gem_model_reports_a_failing_fbgemm_load(tmp_path: Path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert "gem-model cannot import torchrec/fbgemm (OSError: fbgemm_gpu_py.so: undefined symbol" in proc.stdout
+    assert (
+        "gem-model cannot import torchrec/fbgemm (OSError: fbgemm_gpu_py.so: undefined symbol" in proc.stdout
+    )
     assert "Found: torch " in proc.stdout

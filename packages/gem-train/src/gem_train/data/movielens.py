@@ -319,7 +319,7 @@ class MovieLens100K:
 
     # BatchSource -------------------------------------------------------------------------------------------
 
-    def num_batches(self, split: str, batch_size: int) -> int | None:
+    def num_batches(self, split: str, batch_size: int) -> int:
         """Batches in one pass over ``split`` ("train", "valid" or "eval"); "valid" has 0 when disabled."""
         if split in ("eval", "valid"):
             return -(-len(self._held_out(split)) // batch_size)
