@@ -20,7 +20,6 @@ check_release = importlib.util.module_from_spec(_spec)
 sys.modules["check_release"] = check_release
 _spec.loader.exec_module(check_release)
 
-PACKAGES = [p.name for p in sorted((ROOT / "packages").glob("*/pyproject.toml"))]
 PACKAGES = [p.parent.name for p in sorted((ROOT / "packages").glob("*/pyproject.toml"))]
 
 
@@ -52,7 +51,11 @@ def _bump(tree: Path, pkg: str, new: str) -> None:
     d, mod = tree / "packages" / pkg, pkg.replace("-", "_")
     _edit(d / "pyproject.toml", 'version = "0.1.0"', f'version = "{new}"')
     _edit(d / "src" / mod / "__init__.py", '__version__ = "0.1.0"', f'__version__ = "{new}"')
-    _edit(d / "CHANGELOG.md", "## 0.1.0 (unreleased)", f"## {new} (unreleased)\n- A change.\n\n## 0.1.0 — 2026-12-03")
+    _edit(
+        d / "CHANGELOG.md",
+        "## 0.1.0 (unreleased)",
+        f"## {new} (unreleased)\n- A change.\n\n## 0.1.0 — 2026-12-03",
+    )
 
 
 def test_the_repository_passes():
@@ -81,7 +84,9 @@ def test_a_minor_bump_must_move_the_ranges_of_the_packages_above(tree: Path):
         "(the series of gem-kernels 0.2.0)",
     ]
     for pkg in ("gem-model", "gem-train"):
-        _edit(tree / "packages" / pkg / "pyproject.toml", '"gem-kernels>=0.1,<0.2"', '"gem-kernels>=0.2,<0.3"')
+        _edit(
+            tree / "packages" / pkg / "pyproject.toml", '"gem-kernels>=0.1,<0.2"', '"gem-kernels>=0.2,<0.3"'
+        )
     assert check_release.check(tree) == []
 
 
@@ -91,7 +96,11 @@ def test_a_patch_bump_needs_no_change_above(tree: Path):
 
 
 def test_an_extra_that_does_not_exist_below(tree: Path):
-    _edit(tree / "packages" / "gem-train" / "pyproject.toml", '"gem-model[cpu]>=0.1,<0.2"', '"gem-model[cpus]>=0.1,<0.2"')
+    _edit(
+        tree / "packages" / "gem-train" / "pyproject.toml",
+        '"gem-model[cpu]>=0.1,<0.2"',
+        '"gem-model[cpus]>=0.1,<0.2"',
+    )
     assert "gem-train [cpu]: gem-model has no extra ['cpus']" in check_release.check(tree)
 
 
@@ -109,12 +118,20 @@ def test_changelog_headings(tree: Path, heading: str, problem: str):
 
 
 def test_changelog_sections_newest_first(tree: Path):
-    _edit(tree / "packages" / "gem-model" / "CHANGELOG.md", "## 0.1.0 (unreleased)", "## 0.1.0 (unreleased)\n\n## 0.2.0 — 2026-01-01")
-    assert "gem-model: CHANGELOG.md sections are not newest first, each version once" in check_release.check(tree)
+    _edit(
+        tree / "packages" / "gem-model" / "CHANGELOG.md",
+        "## 0.1.0 (unreleased)",
+        "## 0.1.0 (unreleased)\n\n## 0.2.0 — 2026-01-01",
+    )
+    assert "gem-model: CHANGELOG.md sections are not newest first, each version once" in check_release.check(
+        tree
+    )
 
 
 def _bump_stack(text: str) -> str:
-    return text.replace("fbgemm-gpu-cpu==1.8.0", "fbgemm-gpu-cpu==1.9.0").replace("fbgemm-gpu==1.8.0", "fbgemm-gpu==1.9.0")
+    return text.replace("fbgemm-gpu-cpu==1.8.0", "fbgemm-gpu-cpu==1.9.0").replace(
+        "fbgemm-gpu==1.8.0", "fbgemm-gpu==1.9.0"
+    )
 
 
 @pytest.mark.parametrize(
@@ -122,7 +139,9 @@ def _bump_stack(text: str) -> str:
     [
         # One package's extra moved to the next fbgemm, the other's not.
         (
-            lambda t: _edit(t / "packages/gem-model/pyproject.toml", "fbgemm-gpu-cpu==1.8.0", "fbgemm-gpu-cpu==1.9.0"),
+            lambda t: _edit(
+                t / "packages/gem-model/pyproject.toml", "fbgemm-gpu-cpu==1.8.0", "fbgemm-gpu-cpu==1.9.0"
+            ),
             "[cpu] extras pin different stacks",
         ),
         # Every extra moved, but the workspace's override and the READMEs not.
@@ -134,7 +153,9 @@ def _bump_stack(text: str) -> str:
             "workspace override fbgemm-gpu==1.8.0 != extras' 1.9.0",
         ),
         (
-            lambda t: _edit(t / "packages/gem-parallel/README.md", '"fbgemm-gpu-cpu==1.8.0"', '"fbgemm-gpu-cpu==1.6.0"'),
+            lambda t: _edit(
+                t / "packages/gem-parallel/README.md", '"fbgemm-gpu-cpu==1.8.0"', '"fbgemm-gpu-cpu==1.6.0"'
+            ),
             "gem-parallel/README.md: CPU install line pins fbgemm-gpu-cpu ['1.6.0'], not 1.8.0",
         ),
         (
@@ -142,7 +163,9 @@ def _bump_stack(text: str) -> str:
             "workspace pin torch==2.14.1 is not what the [cpu] extras allow (<2.14,>=2.13)",
         ),
         (
-            lambda t: _edit(t / "packages/gem-kernels/pyproject.toml", '"torch>=2.11,<2.14"', '"torch>=2.11,<2.15"'),
+            lambda t: _edit(
+                t / "packages/gem-kernels/pyproject.toml", '"torch>=2.11,<2.14"', '"torch>=2.11,<2.15"'
+            ),
             "torch ranges differ between packages",
         ),
         (
@@ -157,7 +180,15 @@ def _bump_stack(text: str) -> str:
             "gem_model/_stack.py and gem_parallel/_stack.py differ: change both",
         ),
     ],
-    ids=["extras-differ", "override", "readme", "workspace-torch", "torch-ranges", "extra-torch", "stack-copy"],
+    ids=[
+        "extras-differ",
+        "override",
+        "readme",
+        "workspace-torch",
+        "torch-ranges",
+        "extra-torch",
+        "stack-copy",
+    ],
 )
 def test_stack_inconsistencies(tree: Path, edit: Callable[[Path], object], problem: str):
     edit(tree)
@@ -169,7 +200,9 @@ def test_release_mode_wants_a_dated_section_and_a_new_tag(tree: Path):
     assert check_release.check(tree, "gem-precision") == [
         "gem-precision: CHANGELOG.md section 0.1.0 has no release date (still '(unreleased)')"
     ]
-    _edit(tree / "packages" / "gem-precision" / "CHANGELOG.md", "## 0.1.0 (unreleased)", "## 0.1.0 — 2026-12-03")
+    _edit(
+        tree / "packages" / "gem-precision" / "CHANGELOG.md", "## 0.1.0 (unreleased)", "## 0.1.0 — 2026-12-03"
+    )
     assert check_release.check(tree, "gem-precision") == []
     git = ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@example.com"]
     subprocess.run([*git, "init", "-q"], check=True)
