@@ -28,7 +28,7 @@ RUN = (
 # run here). The bound is the worst of them plus 0.012 of margin for other platforms' arithmetic: 0.985.
 # No constant predictor can get below 1.0 (NE of a constant is >= 1, with equality at the test's own base
 # rate; checked below on the same labels), so passing needs a model that ranks and calibrates better than
-# the base rate. An untrained model (predictions near 0.5 at a CTR of a few percent) scores well above 1.
+# the base rate. The same run with learning rates of 1e-9 (no training) scores NE 1.079, AUC 0.49.
 CTR_NE_BOUND = 0.985
 
 
@@ -44,10 +44,9 @@ def test_80_steps_of_tiny_beat_every_constant_predictor(tmp_path):
     bs = cfg.data.eval_batch_size
     parts = [ds.get("eval", i, bs) for i in range(ds.held_out_batches("eval", bs))]
     y = np.concatenate([p.batch.labels.numpy()[:, 0] for p in parts])
-    assert len(y) == 4096 and 0 < y.mean() < 0.5
+    assert len(y) == 4096 and 0 < y.mean() < 1
     best_constant = normalized_entropy(np.full(len(y), y.mean()), y)
     assert best_constant >= 1.0 - 1e-9
-    assert normalized_entropy(np.full(len(y), 0.5), y) > 1.5  # what an untrained model's output scores
 
     assert ctr.ne < CTR_NE_BOUND, f"test CTR NE {ctr.ne:.4f} after 80 steps (bound {CTR_NE_BOUND})"
     assert ctr.auc > 0.6  # measured 0.62-0.70 over the same seeds; a constant has AUC 0.5
