@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from gem_train.config import load_config
-from gem_train.data.synthetic import SyntheticAds
+from gem_train.data.synthetic import SyntheticAds, ground_truth_ne
 from gem_train.metrics import normalized_entropy
 from gem_train.trainer import Trainer
 
@@ -49,5 +49,14 @@ def test_80_steps_of_tiny_beat_every_constant_predictor(tmp_path):
     assert best_constant >= 1.0 - 1e-9
 
     assert ctr.ne < CTR_NE_BOUND, f"test CTR NE {ctr.ne:.4f} after 80 steps (bound {CTR_NE_BOUND})"
+    # Nor can a model beat the hidden model's own probabilities (the Bayes floor) beyond sampling noise on
+    # 4,096 labels: an NE below floor - 0.03 would mean the labels leak into the inputs.
+    floor = ground_truth_ne(
+        [p.true_probs for p in parts],
+        [p.batch.labels.numpy() for p in parts],
+        [p.batch.label_mask.numpy() for p in parts],
+        ds.spec.tasks,
+    )["ctr"]
+    assert ctr.ne > floor - 0.03, (ctr.ne, floor)
     assert ctr.auc > 0.6  # measured 0.62-0.70 over the same seeds; a constant has AUC 0.5
     assert np.isfinite(result.losses).all() and np.mean(result.losses[-10:]) < np.mean(result.losses[:10])
