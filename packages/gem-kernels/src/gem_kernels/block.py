@@ -56,19 +56,7 @@ def _block_attention_op(
 
 
 @_block_attention_op.register_fake
-def _block_attention_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    max_seq_len: int,
-    block_size: int,
-    causal: bool,
-    scale: float,
-    positions: torch.Tensor | None,
-    base: float,
-    use_rotary: bool,
-) -> torch.Tensor:
+def _block_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=v.dtype)
 
 
