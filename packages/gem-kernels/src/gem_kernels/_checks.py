@@ -35,7 +35,9 @@ def _value_checks_wanted(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or _DEBUG
 
 
-def check_values(name: str, t: torch.Tensor, *, ndim: int, dtypes=FLOAT_DTYPES) -> None:
+def check_values(
+    name: str, t: torch.Tensor, *, ndim: int, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+) -> None:
     """Check a jagged values tensor: a tensor of ``ndim`` dimensions and a floating dtype."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

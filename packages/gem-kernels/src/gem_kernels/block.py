@@ -12,6 +12,8 @@ PyTorch reference elsewhere.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
@@ -54,9 +56,7 @@ def _block_attention_op(
 
 
 @_block_attention_op.register_fake
-def _block_attention_fake(
-    q, k, v, offsets, max_seq_len, block_size, causal, scale, positions, base, use_rotary
-):
+def _block_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=v.dtype)
 
 
@@ -100,18 +100,25 @@ def _block_attention_backward_op(
 
 
 @_block_attention_backward_op.register_fake
-def _block_attention_backward_fake(grad_out, q, k, v, out, *args):
+def _block_attention_backward_fake(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    *args: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, offsets, max_seq_len, block_size, causal, scale, positions, base, use_rotary = inputs
     ctx.save_for_backward(q, k, v, output, offsets, positions)
     ctx.args = (max_seq_len, block_size, causal, scale)
     ctx.rotary = (base, use_rotary)
 
 
-def _backward(ctx, grad_out):
+def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     q, k, v, out, offsets, positions = ctx.saved_tensors
     dq, dk, dv = _block_attention_backward_op(
         grad_out.contiguous(), q, k, v, out, offsets, *ctx.args, positions, *ctx.rotary
@@ -132,7 +139,7 @@ def count_block_pairs(offsets: torch.Tensor, block_size: int, causal: bool) -> i
     lengths = o[1:] - o[:-1]
     full, rest = lengths // block_size, lengths % block_size
 
-    def pairs(w):
+    def pairs(w: int | torch.Tensor) -> int | torch.Tensor:
         return w * (w + 1) // 2 if causal else w * w
 
     return int((full * pairs(block_size) + pairs(rest)).sum())
@@ -149,20 +156,40 @@ def _pairs(q: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, block_size:
 # 2 FLOPs per multiply-add, over the valid (query, key) pairs of each block only.
 @register_flop_formula(torch.ops.gem_kernels.block_attention, get_raw=True)
 def _block_attention_flop(
-    q, k, v, offsets, max_seq_len, block_size, causal, *args, out_val=None, **kw
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    max_seq_len: int,
+    block_size: int,
+    causal: bool,
+    *args: object,
+    out_val: object = None,
+    **kw: object,
 ) -> int:
     """Forward: S = Q K^T and O = P V."""
     pairs = _pairs(q, offsets, max_seq_len, block_size, causal)
-    return 2 * pairs * q.shape[1] * (q.shape[2] + v.shape[2])
+    return int(2 * pairs * q.shape[1] * (q.shape[2] + v.shape[2]))
 
 
 @register_flop_formula(torch.ops.gem_kernels.block_attention_backward, get_raw=True)
 def _block_attention_backward_flop(
-    grad_out, q, k, v, out, offsets, max_seq_len, block_size, causal, *args, out_val=None, **kw
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    offsets: torch.Tensor,
+    max_seq_len: int,
+    block_size: int,
+    causal: bool,
+    *args: object,
+    out_val: object = None,
+    **kw: object,
 ) -> int:
     """Backward: dV, dP, dQ, dK, as torch counts the SDPA backward; the recomputed S is not counted."""
     pairs = _pairs(q, offsets, max_seq_len, block_size, causal)
-    return 4 * pairs * q.shape[1] * (q.shape[2] + v.shape[2])
+    return int(4 * pairs * q.shape[1] * (q.shape[2] + v.shape[2]))
 
 
 def block_attention(
@@ -219,7 +246,7 @@ def block_attention(
     positions, base = (rotary.positions, rotary.base) if rotary is not None else (None, 10000.0)
     if rotary is not None:
         check_rotary_args("q", positions, base, q)
-    return _block_attention_op(
+    out: torch.Tensor = _block_attention_op(
         q.contiguous(),
         k.contiguous(),
         v.contiguous(),
@@ -232,3 +259,4 @@ def block_attention(
         float(base),
         rotary is not None,
     )
+    return out

@@ -19,7 +19,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def inv_frequencies(head_dim: int, base: float, dtype: torch.dtype, device) -> torch.Tensor:
+def inv_frequencies(
+    head_dim: int, base: float, dtype: torch.dtype, device: torch.device | str | None
+) -> torch.Tensor:
     """``base ** (-2i / head_dim)`` for ``i < head_dim // 2``: ``[head_dim // 2]`` in ``dtype``.
 
     Computed in fp64 and rounded once, so the kernels (which load this tensor) and the reference use

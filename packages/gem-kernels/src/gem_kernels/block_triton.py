@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 import triton
@@ -40,7 +41,7 @@ HEAD_GROUP = 1
 BWD_MAXNREG: int | None = None
 
 
-def _cuda_options(maxnreg: int | None) -> dict:
+def _cuda_options(maxnreg: int | None) -> dict[str, int]:
     # The interpreter takes no ptxas options.
     if maxnreg is None or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return {}
@@ -250,7 +251,16 @@ def _store_grad_halves(
     tl.store(ptr + HALF, g2.to(dt), mask=mask2)
 
 
-def _launch_args(q, v, offsets, max_seq_len, block_size, positions, base, use_rotary):
+def _launch_args(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    max_seq_len: int,
+    block_size: int,
+    positions: torch.Tensor | None,
+    base: float,
+    use_rotary: bool,
+) -> tuple[tuple[int, int], torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Grid, schedule tensors and constexprs shared by the forward and backward launches."""
     total, heads, d = q.shape
     batch = offsets.numel() - 1
@@ -267,7 +277,7 @@ def _launch_args(q, v, offsets, max_seq_len, block_size, positions, base, use_ro
         pos = positions.to(torch.float32).contiguous() if positions is not None else inv_freq
     else:
         inv_freq = pos = block_starts  # unused pointers
-    meta = dict(
+    meta: dict[str, Any] = dict(
         D=d, HALF=half, HALF_P=max(16, triton.next_power_of_2(half)),
         DV_P=max(16, triton.next_power_of_2(v.shape[-1])),
         BLOCK=block_size, TILE=max(16, triton.next_power_of_2(block_size)),
@@ -281,8 +291,18 @@ def _launch_args(q, v, offsets, max_seq_len, block_size, positions, base, use_ro
 
 
 def block_attention_fwd(
-    q, k, v, offsets, max_seq_len, block_size, causal, scale, positions, base, use_rotary
-):
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    max_seq_len: int,
+    block_size: int,
+    causal: bool,
+    scale: float,
+    positions: torch.Tensor | None,
+    base: float,
+    use_rotary: bool,
+) -> torch.Tensor:
     """Forward launch: q, k ``[total, H, D]``, v ``[total, H, Dv]`` contiguous -> ``[total, H, Dv]``."""
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=v.dtype, device=q.device)
     grid, block_starts, pos, inv_freq, meta = _launch_args(
@@ -299,8 +319,20 @@ def block_attention_fwd(
 
 
 def block_attention_bwd(
-    grad_out, q, k, v, out, offsets, max_seq_len, block_size, causal, scale, positions, base, use_rotary
-):
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    offsets: torch.Tensor,
+    max_seq_len: int,
+    block_size: int,
+    causal: bool,
+    scale: float,
+    positions: torch.Tensor | None,
+    base: float,
+    use_rotary: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward launch: ``(dq, dk, dv)`` in the input dtype (``out`` is not needed: Di comes from P)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     grid, block_starts, pos, inv_freq, meta = _launch_args(

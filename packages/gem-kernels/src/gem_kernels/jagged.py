@@ -19,6 +19,8 @@ No op synchronises with the GPU on the non-debug path, except where a host int i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,13 +38,14 @@ __all__ = [
 ]
 
 
-def _fbgemm_op(name: str, t: torch.Tensor):
+def _fbgemm_op(name: str, t: torch.Tensor) -> Callable[..., Any] | None:
     """``torch.ops.fbgemm.<name>`` if fbgemm_gpu has been loaded, the backend is auto and fbgemm
     supports ``t``'s dtype (not fp64 on the CPU); else None."""
     if get_backend() != "auto" or t.dtype == torch.float64:
         return None
     try:
-        return getattr(torch.ops.fbgemm, name)
+        op: Callable[..., Any] = getattr(torch.ops.fbgemm, name)
+        return op
     except (AttributeError, RuntimeError):
         return None
 
@@ -56,7 +59,8 @@ def _jagged_to_padded_op(
 ) -> torch.Tensor:
     fb = _fbgemm_op("jagged_to_padded_dense", values)
     if fb is not None:
-        return fb(values, [offsets.long()], [max_len], padding_value)
+        padded: torch.Tensor = fb(values, [offsets.long()], [max_len], padding_value)
+        return padded
     if values.dtype != torch.float64 and use_triton(values):
         from gem_kernels.jagged_triton import jagged_to_padded_triton
 
@@ -65,7 +69,7 @@ def _jagged_to_padded_op(
 
 
 @_jagged_to_padded_op.register_fake
-def _(values, offsets, max_len, padding_value):
+def _(values: torch.Tensor, offsets: torch.Tensor, max_len: int, padding_value: float) -> torch.Tensor:
     return values.new_empty((offsets.shape[0] - 1, max_len, values.shape[1]))
 
 
@@ -73,7 +77,8 @@ def _(values, offsets, max_len, padding_value):
 def _padded_to_jagged_op(padded: torch.Tensor, offsets: torch.Tensor, total: int) -> torch.Tensor:
     fb = _fbgemm_op("dense_to_jagged", padded)
     if fb is not None:
-        return fb(padded, [offsets.long()], total)[0]
+        jagged: torch.Tensor = fb(padded, [offsets.long()], total)[0]
+        return jagged
     if padded.dtype != torch.float64 and use_triton(padded):
         from gem_kernels.jagged_triton import padded_to_jagged_triton
 
@@ -82,28 +87,28 @@ def _padded_to_jagged_op(padded: torch.Tensor, offsets: torch.Tensor, total: int
 
 
 @_padded_to_jagged_op.register_fake
-def _(padded, offsets, total):
+def _(padded: torch.Tensor, offsets: torch.Tensor, total: int) -> torch.Tensor:
     return padded.new_empty((total, padded.shape[2]))
 
 
-def _j2p_setup(ctx, inputs, output):
+def _j2p_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     values, offsets, _, _ = inputs
     ctx.save_for_backward(offsets)
     ctx.total = values.shape[0]
 
 
-def _j2p_backward(ctx, grad):
+def _j2p_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     (offsets,) = ctx.saved_tensors
     return _padded_to_jagged_op(grad.contiguous(), offsets, ctx.total), None, None, None
 
 
-def _p2j_setup(ctx, inputs, output):
+def _p2j_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     padded, offsets, _ = inputs
     ctx.save_for_backward(offsets)
     ctx.n = padded.shape[1]
 
 
-def _p2j_backward(ctx, grad):
+def _p2j_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     (offsets,) = ctx.saved_tensors
     return _jagged_to_padded_op(grad.contiguous(), offsets, ctx.n, 0.0), None, None
 
@@ -123,7 +128,7 @@ def _jagged_concat_op(
 
 
 @_jagged_concat_op.register_fake
-def _(a, a_offsets, b, b_offsets):
+def _(a: torch.Tensor, a_offsets: torch.Tensor, b: torch.Tensor, b_offsets: torch.Tensor) -> torch.Tensor:
     return a.new_empty((a.shape[0] + b.shape[0], a.shape[1]))
 
 
@@ -135,29 +140,31 @@ def _jagged_split_op(
 
 
 @_jagged_split_op.register_fake
-def _(values, a_offsets, b_offsets, a_total):
+def _(
+    values: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor, a_total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     feat = values.shape[1]
     return values.new_empty((a_total, feat)), values.new_empty((values.shape[0] - a_total, feat))
 
 
-def _concat_setup(ctx, inputs, output):
+def _concat_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     a, a_offsets, _, b_offsets = inputs
     ctx.save_for_backward(a_offsets, b_offsets)
     ctx.a_total = a.shape[0]
 
 
-def _concat_backward(ctx, grad):
+def _concat_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     a_offsets, b_offsets = ctx.saved_tensors
     ga, gb = _jagged_split_op(grad.contiguous(), a_offsets, b_offsets, ctx.a_total)
     return ga, None, gb, None
 
 
-def _split_setup(ctx, inputs, output):
+def _split_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     _, a_offsets, b_offsets, _ = inputs
     ctx.save_for_backward(a_offsets, b_offsets)
 
 
-def _split_backward(ctx, ga, gb):
+def _split_backward(ctx: Any, ga: torch.Tensor, gb: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     a_offsets, b_offsets = ctx.saved_tensors
     return _jagged_concat_op(ga.contiguous(), a_offsets, gb.contiguous(), b_offsets), None, None, None
 
@@ -179,17 +186,17 @@ def _jagged_mean_op(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor
 
 
 @_jagged_mean_op.register_fake
-def _(values, offsets):
+def _(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return values.new_empty((offsets.shape[0] - 1, values.shape[1]))
 
 
-def _mean_setup(ctx, inputs, output):
+def _mean_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     values, offsets = inputs
     ctx.save_for_backward(offsets)
     ctx.total = values.shape[0]
 
 
-def _mean_backward(ctx, grad):
+def _mean_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     (offsets,) = ctx.saved_tensors
     return ref.jagged_mean_backward(grad, offsets, ctx.total), None
 
@@ -205,19 +212,21 @@ def _jagged_last_k_op(
 
 
 @_jagged_last_k_op.register_fake
-def _(values, offsets, k):
+def _(values: torch.Tensor, offsets: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     batch = offsets.shape[0] - 1
     return values.new_empty((batch, k, values.shape[1])), values.new_empty((batch, k), dtype=torch.bool)
 
 
-def _last_k_setup(ctx, inputs, output):
+def _last_k_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     values, offsets, _ = inputs
     ctx.save_for_backward(offsets)
     ctx.total = values.shape[0]
     ctx.mark_non_differentiable(output[1])
 
 
-def _last_k_backward(ctx, grad, _grad_mask):
+def _last_k_backward(
+    ctx: Any, grad: torch.Tensor, _grad_mask: torch.Tensor
+) -> tuple[torch.Tensor | None, ...]:
     (offsets,) = ctx.saved_tensors
     return ref.jagged_last_k_backward(grad, offsets, ctx.total), None, None
 
@@ -237,7 +246,7 @@ def _check_jagged(name: str, values: torch.Tensor) -> None:
         raise TypeError(f"{name} must have a dtype in {[str(d) for d in FLOAT_DTYPES]}, got {values.dtype}")
 
 
-def _check_int(name: str, value, minimum: int = 0) -> None:
+def _check_int(name: str, value: object, minimum: int = 0) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
@@ -260,7 +269,7 @@ def jagged_to_padded(
     check_offsets("offsets", offsets, total=values.shape[0], device=values.device)
     if isinstance(padding_value, bool) or not isinstance(padding_value, (int, float)):
         raise ValueError(f"padding_value must be a number, got {padding_value!r}")
-    out = _jagged_to_padded_op(_flat(values), offsets, max_len, float(padding_value))
+    out: torch.Tensor = _jagged_to_padded_op(_flat(values), offsets, max_len, float(padding_value))
     return out.view(out.shape[0], max_len, *values.shape[1:])
 
 
@@ -282,7 +291,8 @@ def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor, total: int | N
     check_offsets("offsets", offsets, total=total, device=padded.device, batch=padded.shape[0])
     batch, n = padded.shape[:2]
     flat = padded.reshape(batch, n, math.prod(padded.shape[2:])).contiguous()
-    return _padded_to_jagged_op(flat, offsets, total).view(total, *padded.shape[2:])
+    out: torch.Tensor = _padded_to_jagged_op(flat, offsets, total)
+    return out.view(total, *padded.shape[2:])
 
 
 def jagged_concat(
@@ -353,7 +363,7 @@ def jagged_mean(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """
     _check_jagged("values", values)
     check_offsets("offsets", offsets, total=values.shape[0], device=values.device)
-    out = _jagged_mean_op(_flat(values), offsets)
+    out: torch.Tensor = _jagged_mean_op(_flat(values), offsets)
     return out.view(out.shape[0], *values.shape[1:])
 
 

@@ -25,7 +25,9 @@ def token_positions(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, to
     return seg, pos
 
 
-def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int, padding_value: float):
+def jagged_to_padded(
+    values: torch.Tensor, offsets: torch.Tensor, max_len: int, padding_value: float
+) -> torch.Tensor:
     """values ``[total, F]`` -> ``[B, max_len, F]``; tokens past ``max_len`` are dropped."""
     total, feat = values.shape
     batch = offsets.numel() - 1
@@ -60,7 +62,9 @@ def concat_destinations(
     return a_dest, b_dest
 
 
-def jagged_concat(a, a_offsets, b, b_offsets) -> torch.Tensor:
+def jagged_concat(
+    a: torch.Tensor, a_offsets: torch.Tensor, b: torch.Tensor, b_offsets: torch.Tensor
+) -> torch.Tensor:
     """Per sequence ``[a_s ; b_s]``: ``[Ta + Tb, F]``."""
     a_dest, b_dest = concat_destinations(a_offsets, a.shape[0], b_offsets, b.shape[0])
     out = a.new_empty((a.shape[0] + b.shape[0], a.shape[1]))
@@ -69,7 +73,9 @@ def jagged_concat(a, a_offsets, b, b_offsets) -> torch.Tensor:
     return out
 
 
-def jagged_split(values, a_offsets, b_offsets, a_total: int) -> tuple[torch.Tensor, torch.Tensor]:
+def jagged_split(
+    values: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor, a_total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`jagged_concat`."""
     b_total = values.shape[0] - a_total
     a_dest, b_dest = concat_destinations(a_offsets, a_total, b_offsets, b_total)

@@ -18,7 +18,8 @@ BLOCK_N = 16
 
 
 def _block_f(feat: int) -> int:
-    return min(triton.next_power_of_2(max(feat, 1)), 1024)
+    block: int = triton.next_power_of_2(max(feat, 1))
+    return min(block, 1024)
 
 
 @triton.jit
@@ -64,7 +65,9 @@ def _padded_to_jagged_kernel(
         tl.store(V + dst + cols[None, :], x, mask=tok_ok[:, None] & col_ok)
 
 
-def jagged_to_padded_triton(values, offsets, max_len: int, padding_value: float) -> torch.Tensor:
+def jagged_to_padded_triton(
+    values: torch.Tensor, offsets: torch.Tensor, max_len: int, padding_value: float
+) -> torch.Tensor:
     """values ``[total, F]`` contiguous -> ``[B, max_len, F]``."""
     batch = offsets.numel() - 1
     feat = values.shape[1]
@@ -78,7 +81,7 @@ def jagged_to_padded_triton(values, offsets, max_len: int, padding_value: float)
     return out
 
 
-def padded_to_jagged_triton(padded, offsets, total: int) -> torch.Tensor:
+def padded_to_jagged_triton(padded: torch.Tensor, offsets: torch.Tensor, total: int) -> torch.Tensor:
     """padded ``[B, N, F]`` contiguous -> ``[total, F]`` (0 for positions ``>= N``)."""
     batch, n, feat = padded.shape
     out = torch.empty(total, feat, dtype=padded.dtype, device=padded.device)

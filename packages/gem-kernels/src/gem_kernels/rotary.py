@@ -14,6 +14,7 @@ or real-valued, e.g. log time gaps for rotary temporal embeddings). Positions ge
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,17 +69,19 @@ def _apply_rotary_op(
 
 
 @_apply_rotary_op.register_fake
-def _apply_rotary_fake(x, offsets, positions, base, inverse):
+def _apply_rotary_fake(
+    x: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor | None, base: float, inverse: bool
+) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _apply_rotary_setup(ctx, inputs, output):
+def _apply_rotary_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     _, offsets, positions, base, inverse = inputs
     ctx.save_for_backward(offsets, positions)
     ctx.base, ctx.inverse = base, inverse
 
 
-def _apply_rotary_backward(ctx, grad):
+def _apply_rotary_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     offsets, positions = ctx.saved_tensors
     # A rotation's transpose is the rotation by the opposite angle.
     dx = _apply_rotary_op(grad.contiguous(), offsets, positions, ctx.base, not ctx.inverse)
@@ -110,4 +113,5 @@ def apply_rotary(
     check_values("x", x, ndim=3)
     check_offsets("offsets", offsets, total=x.shape[0], device=x.device)
     check_rotary_args("x", positions, base, x)
-    return _apply_rotary_op(x.contiguous(), offsets, positions, float(base), False)
+    out: torch.Tensor = _apply_rotary_op(x.contiguous(), offsets, positions, float(base), False)
+    return out

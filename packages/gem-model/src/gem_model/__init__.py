@@ -3,6 +3,8 @@
 Model code is free of parallelism and precision: gem-parallel and gem-precision apply them from outside.
 """
 
+# First: imports torchrec and fbgemm, with a clear error on a mismatched stack (see _stack.py).
+import gem_model._stack  # noqa: F401
 from gem_model.attention import ContextCrossAttention, PoolingAttention, SequenceSelfAttention
 from gem_model.batch import GemBatch, JaggedSequence
 from gem_model.config import ATTENTION_KINDS, CONFIG_NAMES, AttentionKind, GemConfig, get_config

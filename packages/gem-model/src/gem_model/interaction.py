@@ -5,7 +5,8 @@ Shapes: non-sequence tokens ``[B, n, d]``; history ``[total, d]`` jagged with of
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -44,7 +45,14 @@ class SequenceSummary(nn.Module):
     has fewer events).
     """
 
-    def __init__(self, pma: PoolingAttention, n_recent: int, d_model: int, eps: float, device=None) -> None:
+    def __init__(
+        self,
+        pma: PoolingAttention,
+        n_recent: int,
+        d_model: int,
+        eps: float,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.n_recent = n_recent
         self.norm = RMSNorm(d_model, eps=eps, device=device)
@@ -76,7 +84,15 @@ class WukongLayer(nn.Module):
     """
 
     def __init__(
-        self, n_in: int, n_out: int, n_fm: int, d_model: int, rank: int, hidden: int, eps: float, device=None
+        self,
+        n_in: int,
+        n_out: int,
+        n_fm: int,
+        d_model: int,
+        rank: int,
+        hidden: int,
+        eps: float,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= n_fm <= n_out:
@@ -121,14 +137,20 @@ class WukongEnsemble(nn.Module):
     subset of them without repeating the gate. With one expert the gate is skipped.
     """
 
-    def __init__(self, n_experts: int, make_expert, d_model: int, device=None) -> None:
+    def __init__(
+        self,
+        n_experts: int,
+        make_expert: Callable[[], WukongLayer],
+        d_model: int,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.experts = nn.ModuleList([make_expert() for _ in range(n_experts)])
         self.gate = nn.Linear(d_model, n_experts, device=device) if n_experts > 1 else None
 
     def reset_parameters(self) -> None:
         for expert in self.experts:
-            expert.reset_parameters()
+            cast(WukongLayer, expert).reset_parameters()  # a ModuleList yields Modules: these are experts
         if self.gate is not None:
             # Zero gate: the experts start as an even average and specialise as the gate learns.
             nn.init.zeros_(self.gate.weight)
@@ -157,6 +179,8 @@ class WukongEnsemble(nn.Module):
         return out
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate is None:
-            return self.experts[0](x)
-        return self.expert_sum(x, self.gate_weights(x))
+        weights = self.gate_weights(x)
+        if weights is None:  # one expert, no gate
+            out: Tensor = self.experts[0](x)
+            return out
+        return self.expert_sum(x, weights)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +35,7 @@ __all__ = ["N_TIME_FEATURES", "GemLayer", "GemModel", "multitask_loss"]
 N_TIME_FEATURES = 16  # sin/cos of the log time gap at 8 frequencies
 
 
-def _pma(config: GemConfig, device) -> PoolingAttention:
+def _pma(config: GemConfig, device: torch.device | str | None) -> PoolingAttention:
     return PoolingAttention(
         config.d_model, config.n_heads, config.head_dim, config.n_pma_tokens, kind=config.pma_kind,
         activation=config.gdpa_activation, max_history_len=config.features.max_history_len,
@@ -42,7 +43,9 @@ def _pma(config: GemConfig, device) -> PoolingAttention:
     )  # fmt: skip
 
 
-def _summaries(config: GemConfig, device) -> tuple[NonSequenceSummary, SequenceSummary]:
+def _summaries(
+    config: GemConfig, device: torch.device | str | None
+) -> tuple[NonSequenceSummary, SequenceSummary]:
     x_summary = NonSequenceSummary(config.n_tokens, config.n_sum_tokens, config.d_model, device=device)
     s_summary = SequenceSummary(
         _pma(config, device), config.n_recent, config.d_model, config.norm_eps, device
@@ -57,7 +60,9 @@ class InputEncoder(nn.Module):
     ``max_len``, and rotary ``positions`` ``[total]`` float32.
     """
 
-    def __init__(self, config: GemConfig, device=None) -> None:
+    time_freqs: Tensor  # a buffer [N_TIME_FEATURES // 2] float32
+
+    def __init__(self, config: GemConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
         d, e = config.d_model, config.embedding_dim
         self.config = config
@@ -103,7 +108,7 @@ class InputEncoder(nn.Module):
         self, batch: GemBatch, embedded: dict[str, tuple[Tensor, Tensor]]
     ) -> tuple[Tensor, Tensor, int, Tensor]:
         cfg = self.config
-        merged = None
+        merged: tuple[Tensor, Tensor, Tensor, int] | None = None
         for i, s in enumerate(cfg.features.sequences):
             seq = batch.sequences[s.name]
             item, action = embedded[s.name]
@@ -131,6 +136,8 @@ class InputEncoder(nn.Module):
             c_tok, c_off = gem_kernels.jagged_concat(m_tok.to(dtype), m_off, tok.to(dtype), seq.offsets)
             c_pos, _ = gem_kernels.jagged_concat(m_pos[:, None], m_off, pos[:, None], seq.offsets)
             merged = (c_tok, c_pos[:, 0], c_off, m_len + seq.max_len)
+        if merged is None:
+            raise ValueError("GemModel needs at least one sequence feature")
         tok, pos, offsets, max_len = merged
         return tok, offsets, max_len, pos
 
@@ -138,7 +145,7 @@ class InputEncoder(nn.Module):
 class GemLayer(nn.Module):
     """One interleaved layer: interaction half over ``X``, sequence half over ``S`` (see module doc)."""
 
-    def __init__(self, config: GemConfig, index: int, device=None) -> None:
+    def __init__(self, config: GemConfig, index: int, device: torch.device | str | None = None) -> None:
         super().__init__()
         d, eps = config.d_model, config.norm_eps
         n_in = config.n_tokens + config.n_seq_summary_tokens
@@ -190,7 +197,7 @@ class GemLayer(nn.Module):
         context = torch.cat([x_sum.to(dtype), s_sum.to(dtype)], dim=1)
         s = s + self.cross(self.cross_norm(s), offsets, max_len, context)
         s = s + self.attn(self.attn_norm(s), offsets, max_len, positions)
-        if self.ffn is not None:
+        if self.ffn is not None and self.ffn_norm is not None:  # both or neither (config.ffn_hidden)
             s = s + self.ffn(self.ffn_norm(s))
         return x_next, s
 
@@ -198,7 +205,9 @@ class GemLayer(nn.Module):
 class TaskHead(nn.Module):
     """MLP ``[B, in] -> [B]`` logits (fp32) for one task."""
 
-    def __init__(self, d_in: int, hidden: tuple[int, ...], eps: float, device=None) -> None:
+    def __init__(
+        self, d_in: int, hidden: tuple[int, ...], eps: float, device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_in, eps=eps, device=device)
         dims = (d_in, *hidden)
@@ -208,7 +217,7 @@ class TaskHead(nn.Module):
     def reset_parameters(self) -> None:
         self.norm.reset_parameters()
         for linear in self.hidden:
-            init_linear(linear)
+            init_linear(cast(nn.Linear, linear))  # a ModuleList yields Modules: these are the Linears above
         # Small output weights: initial predictions near 0.5 whatever the input scale.
         init_linear(self.out, std=0.01)
 
@@ -254,12 +263,12 @@ class GemModel(nn.Module):
         self.embeddings.reset_parameters()
         self.input.reset_parameters()
         for layer in self.layers.values():
-            layer.reset_parameters()
+            cast(GemLayer, layer).reset_parameters()
         self.final_norm.reset_parameters()
         self.final_x.reset_parameters()
         self.final_s.reset_parameters()
         for head in self.heads.values():
-            head.reset_parameters()
+            cast(TaskHead, head).reset_parameters()
 
     def sparse_parameters(self) -> Iterator[nn.Parameter]:
         """Embedding-table parameters (for a row-wise sparse optimizer)."""

@@ -48,7 +48,7 @@ def saved_tensor_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
     seen: set[int] = set()
     total = 0
 
-    def pack(t: torch.Tensor):
+    def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal total
         if is_activation(t):
             storage = t.untyped_storage()

@@ -76,7 +76,7 @@ class QuantizedAllGatherWeight(torch.Tensor):
     _fmt: str
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, fmt: str):
+    def __new__(cls, tensor: torch.Tensor, fmt: str) -> QuantizedAllGatherWeight:
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
             dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
@@ -89,11 +89,13 @@ class QuantizedAllGatherWeight(torch.Tensor):
         self._tensor = tensor
         self._fmt = fmt
 
-    def __repr__(self) -> str:
+    # Tensor.__repr__ also takes a keyword tensor_contents, which this wrapper's repr has no use for.
+    def __repr__(self) -> str:  # type: ignore[override]
         return f"QuantizedAllGatherWeight(fmt={self._fmt}, tensor={self._tensor})"
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        # (torch's stub for Tensor.__torch_dispatch__ leaves out ``func``: it types the disabled default.)
         fmt = next(a._fmt for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
         if func is torch.ops.aten.detach.default:
             return cls(args[0]._tensor.detach(), fmt)
@@ -112,7 +114,9 @@ class QuantizedAllGatherWeight(torch.Tensor):
 
     # -- FSDP2 extension points ---------------------------------------------------------------------------
 
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], None]:
         """Quantize this rank's shard ``[r, K]`` into one ``uint8 [r, K + s]`` all-gather input: each row's
         K E4M3 bytes followed by its ``s`` scale bytes (fp32 row scale: ``s = 4``; E8M0 block scales:
         ``s = K / 32``). One input keeps rows and their scales together, whatever FSDP2's path (its
@@ -133,7 +137,7 @@ class QuantizedAllGatherWeight(torch.Tensor):
         param_dtype: torch.dtype,
         *,
         out: torch.Tensor | None = None,
-    ):
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         """Dequantize the gathered rows ``uint8 [N, K + s]`` into the unsharded weight ``[N, K]`` of
         ``param_dtype`` (written into ``out`` when FSDP reuses its buffer)."""
         (packed,) = all_gather_outputs

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,7 @@ def has_region_budgets() -> bool:
     return hasattr(torch.autograd.graph, "region_activation_memory_budget")
 
 
-def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Save the outputs of matmuls and attention kernels (expensive to recompute, per byte), recompute
     the rest (pointwise ops, norms, reductions: cheap, and most of the bytes)."""
     if op in _MATMULS or ("attention" in op.name() and not op.name().startswith("aten::")):
@@ -84,42 +84,48 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _sac_context():
+def _sac_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(selective_policy)
 
 
 # -- region functions (module passed as an argument, so one compiled function serves identical layers) ------
 
 
-def _plain(module: nn.Module, *args, **kwargs):
-    return module._gem_region.forward(module, *args, **kwargs)
+def _region(module: nn.Module) -> _Region:
+    # A plain attribute set by apply_activation_checkpointing (Module attributes type as Tensor | Module).
+    return cast(_Region, module._gem_region)
 
 
-def _full(module: nn.Module, *args, **kwargs):
-    return checkpoint(module._gem_region.forward, module, *args, use_reentrant=False, **kwargs)
+def _plain(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return _region(module).forward(module, *args, **kwargs)
 
 
-def _selective(module: nn.Module, *args, **kwargs):
+def _full(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(_region(module).forward, module, *args, use_reentrant=False, **kwargs)
+
+
+def _selective(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(
-        module._gem_region.forward, module, *args, use_reentrant=False, context_fn=_sac_context, **kwargs
+        _region(module).forward, module, *args, use_reentrant=False, context_fn=_sac_context, **kwargs
     )
 
 
-def _budgeted(module: nn.Module, *args, **kwargs):
+def _budgeted(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # The budget travels as text: dynamo specialises strings, while a float attribute may be traced as a
     # symbolic float, which the region annotation cannot take.
-    budget = module._gem_region.budget_text
+    region = _region(module)
+    budget = region.budget_text
     if budget is None:  # torch < 2.13: the global knob, set once
-        return module._gem_region.forward(module, *args, **kwargs)
+        return region.forward(module, *args, **kwargs)
     with torch.autograd.graph.region_activation_memory_budget(float(budget)):
-        return module._gem_region.forward(module, *args, **kwargs)
+        return region.forward(module, *args, **kwargs)
 
 
 _POLICY_FUNCTIONS = {"none": _plain, "full": _full, "selective": _selective, "budget": _budgeted}
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[str, Callable[..., Any]] = {}
 
 
-def _compiled(policy: str) -> Callable:
+def _compiled(policy: str) -> Callable[..., Any]:
     if policy not in _COMPILED:
         _COMPILED[policy] = torch.compile(_POLICY_FUNCTIONS[policy])
     return _COMPILED[policy]
@@ -129,14 +135,19 @@ class _Region:
     """How one layer runs: its original forward, policy, compile flag and (with "budget") budget."""
 
     def __init__(
-        self, name: str, forward: Callable, policy: str, compile: bool, planner: _BudgetPlanner | None
-    ):
+        self,
+        name: str,
+        forward: Callable[..., Any],
+        policy: str,
+        compile: bool,
+        planner: _BudgetPlanner | None,
+    ) -> None:
         self.name, self.forward, self.policy, self.planner = name, forward, policy, planner
         self.budget: float | None = None
         self.budget_text: str | None = None
         self.run = _compiled(policy) if compile else _POLICY_FUNCTIONS[policy]
 
-    def __call__(self, module: nn.Module, *args, **kwargs):
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self.planner is not None and not self.planner.ready:
             return self.planner.calibrate(self, module, args, kwargs)
         return self.run(module, *args, **kwargs)
@@ -148,8 +159,8 @@ _REGION_CLASSES: dict[type, type] = {}
 def _region_class(cls: type) -> type:
     if cls not in _REGION_CLASSES:
 
-        def forward(self, *args, **kwargs):
-            return self._gem_region(self, *args, **kwargs)
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _region(self)(self, *args, **kwargs)
 
         _REGION_CLASSES[cls] = type(f"Region{cls.__name__}", (cls,), {"forward": forward})
     return _REGION_CLASSES[cls]
@@ -191,7 +202,9 @@ class _RefuseRandom(TorchDispatchMode):
         super().__init__()
         self.region = region
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         if torch.Tag.nondeterministic_seeded in func.tags:
             raise RuntimeError(
                 f"activation_checkpointing='budget': layer {self.region!r} runs the random op {func} "
@@ -201,18 +214,20 @@ class _RefuseRandom(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _measure(region: _Region, module: nn.Module, args: tuple, kwargs: dict) -> tuple[float, float]:
+def _measure(
+    region: _Region, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[float, float]:
     """(roofline recompute cost, saved activation bytes) of one eager forward of the region; nothing is
     kept (the saved-tensor hook counts and discards)."""
     nbytes = 0
 
-    def pack(t: torch.Tensor):
+    def pack(t: torch.Tensor) -> None:
         nonlocal nbytes
         if is_activation(t):
             nbytes += t.numel() * t.element_size()
         return None
 
-    def unpack(_):
+    def unpack(_: object) -> NoReturn:
         raise RuntimeError("calibration graphs are never backpropagated")
 
     counter = FlopCounterMode(display=False)
@@ -231,7 +246,9 @@ class _BudgetPlanner:
         self.regions: dict[str, _Region] = {}
         self.ready = False
 
-    def calibrate(self, region: _Region, module: nn.Module, args: tuple, kwargs: dict):
+    def calibrate(
+        self, region: _Region, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         self.costs[region.name] = _measure(region, module, args, kwargs)
         self.regions[region.name] = region
         if len(self.costs) == len(self.names):
@@ -300,7 +317,11 @@ def apply_activation_checkpointing(
     if policy == "none" and not compile:
         return {"regions": [], "planner": None}
     layers = model.layers
-    items = list(layers.items()) if isinstance(layers, nn.ModuleDict) else list(enumerate(layers))
+    items = (
+        list(layers.items())
+        if isinstance(layers, nn.ModuleDict)
+        else list(enumerate(cast(nn.ModuleList, layers)))
+    )
     names = [f"layers.{k}" for k, _ in items]
     planner = None
     if policy == "budget":
@@ -317,7 +338,8 @@ def apply_activation_checkpointing(
         _set_recompile_limit(2 * len(items) + 8)  # a graph per distinct layer kind and budget
     for name, (_, layer) in zip(names, items):
         cls = type(layer)
-        layer._gem_region = _Region(name, cls.forward, policy, compile, planner)
+        # torch types Module.__setattr__'s value as Tensor | Module, but a Module stores any attribute.
+        layer._gem_region = _Region(name, cls.forward, policy, compile, planner)  # type: ignore[assignment]
         layer.__class__ = _region_class(cls)
     return {"regions": names, "planner": planner}
 

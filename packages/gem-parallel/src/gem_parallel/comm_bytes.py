@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["CollectiveBytes"]
 
 
-def _nbytes(tensors) -> int:
+def _nbytes(tensors: object) -> int:
     if isinstance(tensors, torch.Tensor):
         return tensors.numel() * tensors.element_size()
     if isinstance(tensors, list | tuple):

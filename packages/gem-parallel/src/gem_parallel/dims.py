@@ -113,6 +113,18 @@ class ParallelDims:
     # -- derived degrees ----------------------------------------------------------------------------------
 
     @property
+    def _world(self) -> int:
+        """``world_size`` as __post_init__ resolved it (an int from then on)."""
+        assert self.world_size is not None
+        return self.world_size
+
+    @property
+    def _per_host(self) -> int:
+        """``ranks_per_host`` as __post_init__ resolved it."""
+        assert self.ranks_per_host is not None
+        return self.ranks_per_host
+
+    @property
     def dp(self) -> int:
         """Data-parallel degree of the dense parameters (every rank reads its own batch)."""
         return self.dp_replicate * self.dp_shard
@@ -125,7 +137,7 @@ class ParallelDims:
     @property
     def sparse_replicas(self) -> int:
         """Copies of every embedding shard (1 for 1D sharding)."""
-        return self.world_size // self.sparse_group
+        return self._world // self.sparse_group
 
     @property
     def expert_gradient_divide_factor(self) -> int:
@@ -135,7 +147,7 @@ class ParallelDims:
         FSDP over its ``dp_replicate x efsdp`` mesh averages over ``world // ep`` copies. Dividing by the
         world size (not ``world // ep``) gives the same gradient as the dense parameters' average.
         """
-        return self.world_size
+        return self._world
 
     # -- rank layout --------------------------------------------------------------------------------------
 
@@ -153,7 +165,7 @@ class ParallelDims:
     def sparse_sharding_group(self, rank: int) -> list[int]:
         """Ranks of ``rank``'s embedding sharding group (strided: ``[r, R + r, 2R + r, ...]``)."""
         r = rank % self.sparse_replicas
-        return list(range(r, self.world_size, self.sparse_replicas))
+        return list(range(r, self._world, self.sparse_replicas))
 
     def sparse_replica_group(self, rank: int) -> list[int]:
         """Ranks holding the same embedding shards as ``rank`` (consecutive: one host)."""
@@ -162,7 +174,7 @@ class ParallelDims:
 
     def tier(self, ranks: list[int]) -> str:
         """The slowest network tier a collective over ``ranks`` crosses: "host", "zone" or "cluster"."""
-        hosts = {r // self.ranks_per_host for r in ranks}
+        hosts = {r // self._per_host for r in ranks}
         if len(hosts) <= 1:
             return "host"
         if self.hosts_per_zone is None:

@@ -31,7 +31,8 @@ checkpoints) stay those of the unsharded model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,19 @@ class LocalExperts(nn.ModuleDict):
     def indexed(self) -> list[tuple[int, nn.Module]]:
         """``[(global index, expert), ...]`` in index order."""
         return [(int(k), m) for k, m in self.items()]
+
+
+class _Ensemble(Protocol):
+    """The public structure of an expert ensemble (what :func:`expert_ensembles` checks), for typing."""
+
+    experts: nn.ModuleList | LocalExperts
+    _gem_ep_mesh: DeviceMesh
+
+    def gate_weights(self, x: Tensor) -> Tensor | None: ...
+
+    def expert_sum(
+        self, x: Tensor, weights: Tensor, experts: Iterable[tuple[int, nn.Module]] | None = None
+    ) -> Tensor: ...
 
 
 def expert_ensembles(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -92,7 +106,7 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
     Collective-free: every rank decides the same from the same model."""
     for name, ens in expert_ensembles(model):
         try:
-            local_expert_indices(len(ens.experts), ep, 0)
+            local_expert_indices(len(cast(_Ensemble, ens).experts), ep, 0)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
 
@@ -115,19 +129,22 @@ class _ScaleGrad(torch.autograd.Function):
     """Identity forward; multiplies the gradient by ``scale`` in backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, scale: float) -> Tensor:
+    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
         ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         return grad * ctx.scale, None
 
 
 def expert_parallel_forward(ensemble: nn.Module, x: Tensor, mesh: DeviceMesh) -> Tensor:
     """The ensemble's output for this rank's ``x [B, n_in, d]`` (``[B, n_out, d]``), computed with the EP
     group's experts (see the module docstring)."""
-    weights = ensemble.gate_weights(x)  # [B, E] fp32, from the dense gate
+    ens = cast(_Ensemble, ensemble)
+    weights = ens.gate_weights(x)  # [B, E] fp32, from the dense gate
+    # EP runs with ep > 1, which divides n_experts: the ensemble has several experts, hence a gate.
+    assert weights is not None and isinstance(ens.experts, LocalExperts), "not an expert-parallel ensemble"
     b = x.shape[0]
     b_max = max(_group_batch_sizes(b, mesh, x.device))
     group_x = _all_gather(_pad_rows(x, b_max).contiguous(), 0, mesh)  # [ep * b_max, n_in, d]
@@ -135,7 +152,7 @@ def expert_parallel_forward(ensemble: nn.Module, x: Tensor, mesh: DeviceMesh) ->
     ep = mesh.size()
     # Expert gradients: the EP group's loss sum / ep = its mean; input and gate gradients: unchanged.
     group_x, group_w = _ScaleGrad.apply(group_x, float(ep)), _ScaleGrad.apply(group_w, float(ep))
-    partial = ensemble.expert_sum(group_x, group_w, ensemble.experts.indexed())  # this rank's experts
+    partial = ens.expert_sum(group_x, group_w, ens.experts.indexed())  # this rank's experts
     partial = _ScaleGrad.apply(partial, 1.0 / ep)
     out = _reduce_scatter(partial.contiguous(), "sum", 0, mesh)  # [b_max, n_out, d]: all experts
     return out[:b]
@@ -149,7 +166,7 @@ def _expert_parallel_class(cls: type) -> type:
     FSDP2 adds its hooks: the instance keeps its attributes, parameter names and ``isinstance``)."""
     if cls not in _EP_CLASSES:
 
-        def forward(self, x: Tensor) -> Tensor:
+        def forward(self: Any, x: Tensor) -> Tensor:
             return expert_parallel_forward(self, x, self._gem_ep_mesh)
 
         _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": forward})
@@ -173,7 +190,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Modu
     check_expert_parallel(model, ep)
     ep_rank = ep_mesh.get_local_rank()
     held: list[nn.Module] = []
-    for _, ens in expert_ensembles(model):
+    for _, module in expert_ensembles(model):
+        ens = cast(_Ensemble, module)
         experts = ens.experts
         local = local_expert_indices(len(experts), ep, ep_rank)
         indexed = experts.indexed() if isinstance(experts, LocalExperts) else list(enumerate(experts))

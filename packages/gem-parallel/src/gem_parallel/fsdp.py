@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import cast
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -37,7 +39,15 @@ def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
 def mixed_precision_policy(config: FSDPConfig) -> MixedPrecisionPolicy:
     """FSDP2's policy for ``config``: parameters gathered in ``param_dtype``, gradients reduced in
     ``reduce_dtype`` (None: as they are)."""
-    return MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    return MixedPrecisionPolicy(
+        param_dtype=_dtype(config.param_dtype), reduce_dtype=_dtype(config.reduce_dtype)
+    )
+
+
+def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    """A dtype of an FSDPConfig, which has turned dtype names into dtypes in ``__post_init__``."""
+    assert not isinstance(value, str), value
+    return value
 
 
 def _shard_experts(experts: Iterable[nn.Module], mesh: DeviceMesh, config: FSDPConfig) -> list[FSDPModule]:
@@ -93,7 +103,8 @@ def apply_fsdp(
     ignored = set(ignored_params or ())
     dense_mesh = dense_fsdp_mesh(mesh, dims)
     _shard_experts(experts, expert_fsdp_mesh(mesh, dims), config)
-    blocks = list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
+    layers = model.layers
+    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else cast(nn.ModuleList, layers))
     units: list[FSDPModule] = []
     for i, block in enumerate(blocks):
         # The last layer's parameters are the first backward needs: keep them gathered.

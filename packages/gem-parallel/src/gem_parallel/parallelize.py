@@ -39,10 +39,12 @@ __all__ = ["parallelize"]
 
 
 def _sparse_params(model: nn.Module) -> set[nn.Parameter]:
-    if callable(getattr(model, "sparse_parameters", None)):
-        return set(model.sparse_parameters())
-    if isinstance(getattr(model, "embeddings", None), nn.Module):
-        return set(model.embeddings.parameters())
+    sparse_parameters = getattr(model, "sparse_parameters", None)
+    if callable(sparse_parameters):
+        return set(sparse_parameters())
+    embeddings = getattr(model, "embeddings", None)
+    if isinstance(embeddings, nn.Module):
+        return set(embeddings.parameters())
     raise ValueError(
         "ParallelConfig.embeddings is set but the model has neither sparse_parameters() nor an "
         "`embeddings` module holding its tables"

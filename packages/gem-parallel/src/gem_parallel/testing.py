@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,14 +166,15 @@ def _outcome(tmpdir: Path, rank: int, code: int | None) -> RankFailure:
     return RankFailure(rank, code, etype or None, msg, stderr[-6000:])
 
 
-def _load_function(file: str, func: str):
+def _load_function(file: str, func: str) -> Callable[..., Any]:
     spec = importlib.util.spec_from_file_location(f"_gem_dist_target_{abs(hash(file))}", file)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {file}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return getattr(module, func)
+    fn: Callable[..., Any] = getattr(module, func)
+    return fn
 
 
 def _worker_main(argv: list[str] | None = None) -> int:

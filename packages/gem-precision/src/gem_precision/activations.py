@@ -31,11 +31,13 @@ class _Packed:
         """Bytes held: the FP8 data and its scales."""
         if isinstance(self.data, MXTensor):
             return self.data.data.numel() + self.data.scale.numel()
+        assert self.scale is not None  # fp8 data always carries its row scales
         return self.data.numel() + self.scale.numel() * self.scale.element_size()
 
     def unpack(self) -> torch.Tensor:
         if isinstance(self.data, MXTensor):
             return self.data.dequantize(self.dtype).reshape(self.shape)
+        assert self.scale is not None  # fp8 data always carries its row scales
         return (self.data.to(torch.float32) * self.scale).to(self.dtype).reshape(self.shape)
 
 
@@ -64,9 +66,9 @@ def compress_saved_activations(fmt: str = "fp8", *, min_numel: int = 4096) -> It
     """
     if fmt not in ACTIVATION_FORMATS:
         raise ValueError(f"fmt must be one of {ACTIVATION_FORMATS}, got {fmt!r}")
-    seen: dict[int, tuple[weakref.ref, _Packed]] = {}
+    seen: dict[int, tuple[weakref.ref[torch.Tensor], _Packed]] = {}
 
-    def pack(t: torch.Tensor):
+    def pack(t: torch.Tensor) -> torch.Tensor | _Packed:
         if (
             isinstance(t, nn.Parameter)
             or t.dtype not in _COMPRESSIBLE
@@ -82,7 +84,7 @@ def compress_saved_activations(fmt: str = "fp8", *, min_numel: int = 4096) -> It
         seen[id(t)] = (weakref.ref(t), packed)
         return packed
 
-    def unpack(p):
+    def unpack(p: torch.Tensor | _Packed) -> torch.Tensor:
         return p.unpack() if isinstance(p, _Packed) else p
 
     try:

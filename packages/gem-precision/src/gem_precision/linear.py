@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,9 @@ from gem_precision.formats import check_float_tensor
 from gem_precision.mx import MXTensor, mx_mm, random_hadamard, to_mx
 from gem_precision.recipe import Recipe
 from gem_precision.rowwise import fp8_rowwise_mm
+
+# MX operands memoized per GEMM call: by tensor name (square tiles) or by (name, K axis).
+MXCache = dict[str | tuple[str, int], MXTensor]
 
 
 @functools.lru_cache(maxsize=16)
@@ -47,7 +51,7 @@ class _Quantizer:
 def _gemm(
     fmt: str,
     q: _Quantizer,
-    cache: dict,
+    cache: MXCache,
     a: tuple[str, torch.Tensor, bool],
     b: tuple[str, torch.Tensor, bool],
     *,
@@ -85,8 +89,10 @@ def _gemm(
     return mx_mm(qa.t() if a_t else qa, qb if b_t else qb.t(), out_dtype=out_dtype)
 
 
-def mx_operand(q: _Quantizer, cache: dict, name: str, t: torch.Tensor, axis: int, *, grad: bool) -> MXTensor:
-    key = name if q.recipe.square_blocks else (name, axis)
+def mx_operand(
+    q: _Quantizer, cache: MXCache, name: str, t: torch.Tensor, axis: int, *, grad: bool
+) -> MXTensor:
+    key: str | tuple[str, int] = name if q.recipe.square_blocks else (name, axis)
     if key not in cache:
         cache[key] = q.mx(t, axis, grad=grad)
     return cache[key]
@@ -94,17 +100,21 @@ def mx_operand(q: _Quantizer, cache: dict, name: str, t: torch.Tensor, axis: int
 
 class _MXLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe):
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe
+    ) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):  # our GEMMs choose their own precision
             return _MXLinearFn._forward(ctx, x, weight, bias, recipe)
 
     @staticmethod
-    def _forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe):
+    def _forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe
+    ) -> torch.Tensor:
         dtype = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
         w = weight.to(dtype)
         q = _Quantizer(recipe, x.device)
-        cache: dict = {}
+        cache: MXCache = {}
         # y [M, N] = x [M, K] @ w.T (B = w [N, K]).
         y = _gemm(recipe.forward, q, cache, ("x", x2, False), ("w", w, False), a_grad=False, out_dtype=dtype)
         if bias is not None:
@@ -120,7 +130,7 @@ class _MXLinearFn(torch.autograd.Function):
         ctx.x_shape = x.shape
         # Backward reuses the FP8 x along M (wgrad) and, with square tiles, the tiles of w (dgrad).
         if recipe.square_blocks:
-            keep = {"w", "x"} if recipe.wgrad == "mxfp8" else {"w"}
+            keep: set[str | tuple[str, int]] = {"w", "x"} if recipe.wgrad == "mxfp8" else {"w"}
         else:
             keep = {("x", 0)}
         ctx.mx_cache = {k: v for k, v in cache.items() if k in keep}
@@ -128,19 +138,19 @@ class _MXLinearFn(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         with torch.autocast(dy.device.type, enabled=False):
             return _MXLinearFn._backward(ctx, dy)
 
     @staticmethod
-    def _backward(ctx, dy: torch.Tensor):
+    def _backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         recipe: Recipe = ctx.recipe
         x2, weight = ctx.saved_tensors
         dtype = dy.dtype
         dy2 = dy.reshape(-1, dy.shape[-1])
         w = weight.to(dtype)
         q = _Quantizer(recipe, dy.device)
-        cache: dict = ctx.mx_cache
+        cache: MXCache = ctx.mx_cache
         ctx.mx_cache = None
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -197,7 +207,9 @@ class MXFP8Linear(nn.Linear):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if self.recipe.gemms == ("bf16", "bf16", "bf16"):
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return _MXLinearFn.apply(x, self.weight, self.bias, self.recipe)
+        # torch's Function.apply is unannotated (torch/autograd/function.py).
+        y: torch.Tensor = _MXLinearFn.apply(x, self.weight, self.bias, self.recipe)  # type: ignore[no-untyped-call]
+        return y
 
     def extra_repr(self) -> str:
         r = self.recipe

@@ -231,7 +231,9 @@ def _check_mm_operands(a: MXTensor, b: MXTensor) -> None:
     if a.block_size != b.block_size:
         raise ValueError(f"mx_mm: block sizes differ: {a.block_size} and {b.block_size}")
     if (a.hadamard is None) != (b.hadamard is None) or (
-        a.hadamard is not None and not torch.equal(a.hadamard, b.hadamard.to(a.hadamard.device))
+        a.hadamard is not None
+        and b.hadamard is not None
+        and not torch.equal(a.hadamard, b.hadamard.to(a.hadamard.device))
     ):
         raise ValueError("mx_mm: both operands need the same Hadamard transform (or none)")
     if a.data.device != b.data.device:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,18 +72,18 @@ class Recipe:
         return (self.forward, self.dgrad, self.wgrad)
 
     @classmethod
-    def mxfp8(cls, **overrides) -> Recipe:
+    def mxfp8(cls, **overrides: Any) -> Recipe:
         """The default: MXFP8 forward and dgrad, wgrad in bf16 (weight gradients have the worst outliers:
         GEM keeps them in higher precision)."""
         return cls(**overrides)
 
     @classmethod
-    def mxfp8_all(cls, **overrides) -> Recipe:
+    def mxfp8_all(cls, **overrides: Any) -> Recipe:
         """All three GEMMs in MXFP8."""
         return cls(**{"wgrad": "mxfp8", **overrides})
 
     @classmethod
-    def fp8_rowwise(cls, **overrides) -> Recipe:
+    def fp8_rowwise(cls, **overrides: Any) -> Recipe:
         """All three GEMMs in FP8 with per-row scales (the Hopper-speed recipe)."""
         return cls(**{"forward": "fp8_rowwise", "dgrad": "fp8_rowwise", "wgrad": "fp8_rowwise", **overrides})
 

@@ -90,7 +90,7 @@ def _to_mx_kernel(
             mask=smask,
         )
     elif LAYOUT == 1:
-        NB: tl.constexpr = BR // BLOCK
+        NB: tl.constexpr = BR // BLOCK  # type: ignore[no-redef]  # one Triton constexpr per layout branch
         a3 = tl.reshape(a, (NB, BLOCK, BC))
         amax = tl.expand_dims(tl.max(a3, axis=1), 1)
         bits, scale = _block_quantize(

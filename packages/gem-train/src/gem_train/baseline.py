@@ -9,6 +9,7 @@ over the pooled embeddings and dense features.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +44,7 @@ class BaselineMLP(nn.Module):
 
     def init_weights(self) -> None:
         for t in self.embeddings.values():
-            nn.init.normal_(t.weight, std=0.05)
+            nn.init.normal_(cast(nn.Embedding, t).weight, std=0.05)  # a ModuleDict yields Modules
         for m in self.mlp:
             if isinstance(m, nn.Linear):
                 nn.init.xavier_uniform_(m.weight)

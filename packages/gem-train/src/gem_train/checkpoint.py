@@ -40,6 +40,7 @@ it is not one of the keep-last-K ``step_<N>`` checkpoints and is never pruned by
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -47,7 +48,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from gem_train.dcp_storage import RecordingFileSystemWriter, SafeFileSystemReader, safe_load_metadata
@@ -124,7 +126,7 @@ def _all_gather(obj: Any) -> list[Any]:
 class _TensorsOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP load planner that never unpickles: a non-tensor entry is loaded with ``weights_only=True``."""
 
-    def load_bytes(self, read_item, value) -> None:
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         value.seek(0)
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
@@ -140,7 +142,8 @@ def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # legacy=True: (name, keys, pos, has_gauss, cached_gaussian)
     tensors["numpy_keys"] = torch.from_numpy(np.asarray(np_state[1], dtype=np.int64))
     plain = {
         "python": [py[0], list(py[1]), py[2]],
@@ -434,7 +437,7 @@ def _write_checkpoint(
         trainer_state.update(
             step=int(step),
             data_position=int(extra.get("data_position", step)),
-            optim_param_groups=_jsonable_groups(optim_sd["param_groups"]),
+            optim_param_groups=_jsonable_groups(cast(list[dict[str, Any]], optim_sd["param_groups"])),
             rng_plain=gathered,
             world_size=world,
             config=extra.get("config", {}),

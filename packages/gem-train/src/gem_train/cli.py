@@ -19,14 +19,16 @@ import argparse
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from gem_train.config import SHIPPED_CONFIGS, ConfigError, TrainConfig, config_from_dict, load_config
 
 __all__ = ["main"]
 
 
-def _count(minimum: int):
+def _count(minimum: int) -> Callable[[str], int]:
     """argparse type: an int >= ``minimum`` (a usage error, exit 2, otherwise)."""
 
     def parse(text: str) -> int:
@@ -192,13 +194,13 @@ def _data(args: argparse.Namespace) -> int:
         ev = read_movielens_100k(path)
         from gem_train.config import MovieLensConfig
 
-        ds = MovieLens100K(MovieLensConfig(), events=ev)
+        ml = MovieLens100K(MovieLensConfig(), events=ev)
         print(f"MovieLens-100K in {path}")
         print(
             f"  {len(ev.user):,} ratings, {len(set(ev.user.tolist()))} users, {ev.num_items - 1} movies; "
-            f"train {len(ds.train_rows):,} / valid {len(ds.valid_rows):,} / test {len(ds.eval_rows):,} "
+            f"train {len(ml.train_rows):,} / valid {len(ml.valid_rows):,} / test {len(ml.eval_rows):,} "
             "events; "
-            f"positive rate {ds.label.mean():.3f}"
+            f"positive rate {ml.label.mean():.3f}"
         )
         if args.cache_dir:
             print(
@@ -216,7 +218,7 @@ def _data(args: argparse.Namespace) -> int:
 
     parts = [
         ds.get("eval", i, cfg.data.eval_batch_size)
-        for i in range(ds.num_batches("eval", cfg.data.eval_batch_size))
+        for i in range(ds.held_out_batches("eval", cfg.data.eval_batch_size))
     ]
     lengths = np.concatenate([p.batch.sequences["history"].lengths.numpy() for p in parts])
     sp = ds.spec
@@ -233,7 +235,8 @@ def _data(args: argparse.Namespace) -> int:
     for j, task in enumerate(ds.spec.tasks):
         m = np.concatenate([p.batch.label_mask.numpy()[:, j] for p in parts])
         y = np.concatenate([p.batch.labels.numpy()[:, j] for p in parts])[m]
-        t = np.concatenate([p.true_probs[:, j] for p in parts])[m]
+        # The synthetic data's batches always carry their ground-truth probabilities.
+        t = np.concatenate([cast(np.ndarray, p.true_probs)[:, j] for p in parts])[m]
         print(f"  {task}: base rate {y.mean():.4f}, ground-truth NE floor {binary_metrics(t, y).ne:.4f}")
     return 0
 

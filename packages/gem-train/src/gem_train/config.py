@@ -407,7 +407,7 @@ def check_value(value: Any, tp: Any, key: str) -> Any:
         if value is not None:
             raise ConfigError(f"{key}: expected None, got {value!r}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {type(value).__name__} {value!r}")
         return config_from_dict(tp, value, prefix=key)

@@ -119,11 +119,12 @@ class _MetadataUnpickler(pickle._Unpickler):
         raise _Forbidden(f"uses a persistent id ({pid!r})")
 
     def _load_build(self) -> None:
-        inst = self.stack[-2] if len(self.stack) >= 2 else None
+        stack: list[Any] = self.stack  # type: ignore[attr-defined]  # pickle._Unpickler's own, untyped
+        inst = stack[-2] if len(stack) >= 2 else None
         if isinstance(inst, type) or not isinstance(inst, _allowed_build_types()):
             what = inst.__qualname__ if isinstance(inst, type) else type(inst).__qualname__
             raise _Forbidden(f"sets the state of {'the class ' if isinstance(inst, type) else ''}{what}")
-        pickle._Unpickler.load_build(self)
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]  # untyped in typeshed
 
     def _load_ext(self) -> None:
         raise _Forbidden("uses an extension code (EXT opcode)")
@@ -189,9 +190,10 @@ class SafeFileSystemReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         metadata = safe_load_metadata(path)
         # What FileSystemReader.read_metadata does after unpickling (torch 2.11 and 2.13 alike).
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -232,8 +234,8 @@ class RecordingFileSystemWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True)
-        self.fs = _RecordingFileSystem()
+        self.fs = self.recording = _RecordingFileSystem()
 
     @property
     def written(self) -> set[str]:
-        return set(self.fs.names)
+        return set(self.recording.names)

@@ -53,7 +53,7 @@ class MetricsLogger:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All rows of a metrics.jsonl (NaN/Inf strings back to floats)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     if not Path(path).exists():
         return rows
     for line in Path(path).read_text(encoding="utf-8").splitlines():

@@ -47,7 +47,7 @@ def build_gem_config(section: ModelSection, spec: FeatureSpec) -> GemConfig:
 class BuiltModel:
     """The model plus what the trainer needs to know about it."""
 
-    model: nn.Module
+    model: gem_model.GemModel | BaselineMLP
     gem_config: GemConfig | None  # None for the baseline
     flops: Callable[[GemBatch], int] | None  # model FLOPs of forward+backward of one batch
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,11 +68,11 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         return loss
 
 
-def _decay_split(params: list[Tensor]) -> list[dict]:
+def _decay_split(params: list[Tensor]) -> list[dict[str, Any]]:
     # No weight decay on biases and norm gains (1-D): decaying them towards 0 only hurts.
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    groups = []
+    groups: list[dict[str, Any]] = []
     if decay:
         groups.append({"params": decay})
     if no_decay:

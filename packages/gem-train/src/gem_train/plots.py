@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gem_train.metrics import reliability_bins
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 __all__ = ["plot_curves", "plot_reliability"]
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -21,7 +26,7 @@ def _pyplot():
     return plt
 
 
-def _save(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+def _save(plt: ModuleType, fig: Figure, ax: Axes, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
     """Label, grid and legend ``ax``, write ``fig`` to ``path`` (PNG) and close it."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -55,7 +60,7 @@ def plot_curves(rows: list[dict[str, Any]], out_dir: Path, tasks: tuple[str, ...
                          "training loss"))  # fmt: skip
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    series = (
+    series: tuple[tuple[list[dict[str, Any]], str, dict[str, Any]], ...] = (
         (train, "train", {}),
         (valids, "valid", {"marker": ".", "linestyle": ":"}),
         (evals, "test", {"marker": "o", "linestyle": "--"}),

@@ -397,11 +397,12 @@ class Trainer:
             build_gem_config(cfg.model, self.spec)
 
         # The run directory: rank 0 creates it (or reuses the resumed run's), everyone learns the path.
-        root = [str(self.resume_from.parent.parent)] if self.resume_from else [None]
+        root: list[str | None] = [str(self.resume_from.parent.parent)] if self.resume_from else [None]
         if self.dist.is_main and root[0] is None:
             root[0] = str(create_run_dir(cfg.run.out_dir, cfg.run.name).root)
         if self.dist.world_size > 1:
             dist.broadcast_object_list(root, src=0)
+        assert root[0] is not None  # set on rank 0, then broadcast
         self.run = RunDir(Path(root[0]))
         if self.dist.is_main:
             self.run.make()
@@ -469,9 +470,8 @@ class Trainer:
         if self.resume_from is not None and _is_step_checkpoint(self.resume_from):
             self._saved_step = self.start_step
             self._unconfirmed = self.resume_from
-            older = [
-                c for c in list_checkpoints(self.run.checkpoints) if checkpoint_step(c) < self.start_step
-            ]
+            ckpts = list_checkpoints(self.run.checkpoints)
+            older = [c for c in ckpts if (checkpoint_step(c) or 0) < self.start_step]
             self._last_good = older[-1] if older else None
 
     # -- setup helpers ---------------------------------------------------------------------------------------
@@ -544,7 +544,7 @@ class Trainer:
 
         if threading.current_thread() is not threading.main_thread():
             return {}
-        old = {}
+        old: dict[int, Any] = {}
         for s in (signal.SIGTERM, signal.SIGINT):
             old[s] = signal.signal(s, self._on_signal)
         return old
@@ -788,7 +788,7 @@ class Trainer:
                 status = "interrupted"
             while status == "completed" and step < total:
                 lb = next(it)
-                if want_flops:
+                if want_flops and self.built.flops is not None:  # (want_flops implies it)
                     window.flops += self.built.flops(lb.batch)  # host-side count, before the copy
                 batch = lb.batch.to(self.device, non_blocking=True)
                 if self.dense_opt is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -39,14 +40,20 @@ _BUCKET_BOUNDS = torch.tensor(
 )
 
 
-def _without_autocast(fn: Callable) -> Callable:
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _without_autocast(
+    fn: Callable[Concatenate[torch.Tensor, P], R],
+) -> Callable[Concatenate[torch.Tensor, P], R]:
     """Run ``fn`` with autocast off on its first argument's device: this path computes in fp32 (fp64) by
     contract, and an enclosing ``torch.autocast`` would otherwise turn its matmuls into bf16 ones."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with torch.autocast(args[0].device.type, enabled=False):
-            return fn(*args, **kwargs)
+    def wrapper(first: torch.Tensor, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with torch.autocast(first.device.type, enabled=False):
+            return fn(first, *args, **kwargs)
 
     return wrapper
 
@@ -135,7 +142,9 @@ def _head_major(flat: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
 
 def _gather(flat: torch.Tensor, idx: torch.Tensor, size: int) -> torch.Tensor:
     """``flat`` ``[H, N+1, D]``, ``idx`` ``[G * L]`` -> ``[H, G, L, D]`` (contiguous)."""
-    return flat.index_select(1, idx).unflatten(1, (size, -1))
+    # torch's Tensor.unflatten is unannotated (torch/_tensor.py).
+    out: torch.Tensor = flat.index_select(1, idx).unflatten(1, (size, -1))  # type: ignore[no-untyped-call]
+    return out
 
 
 def _scatter(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
@@ -165,7 +174,9 @@ def _probs_(s: torch.Tensor, masked_out: torch.Tensor) -> tuple[torch.Tensor, to
     return s, lse
 
 
-def _segments(q_offsets: torch.Tensor, kv_offsets: torch.Tensor):
+def _segments(
+    q_offsets: torch.Tensor, kv_offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     qo = q_offsets.detach().to("cpu", torch.int64)
     ko = kv_offsets.detach().to("cpu", torch.int64)
     return qo[:-1], ko[:-1], qo[1:] - qo[:-1], ko[1:] - ko[:-1]
@@ -204,10 +215,11 @@ def attention_fwd(
     out = torch.zeros(heads, q.shape[0] + 1, v.shape[2], dtype=cdt, device=q.device)
     lse = torch.full((heads, q.shape[0] + 1), float("-inf"), dtype=torch.float32, device=q.device)
     q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
-    qp, kp, vp = None, None, None
+    major: list[torch.Tensor] = []  # q, k, v head-major: converted once, only when some sequence attends
     for members in _buckets(lq, lk, heads):
-        if qp is None:  # converted once, only when some sequence attends
-            qp, kp, vp = _head_major(q, cdt), _head_major(k, cdt), _head_major(v, cdt)
+        if not major:
+            major = [_head_major(t, cdt) for t in (q, k, v)]
+        qp, kp, vp = major
         grp = _group(members, q_start, k_start, lq, lk, q.shape[0], k.shape[0], left, right, q.device)
         qb = _gather(qp, grp.q_idx, grp.size)  # [H, G, Lq, D]
         kb, vb = _gather(kp, grp.k_idx, grp.size), _gather(vp, grp.k_idx, grp.size)  # [H, G, Lk, D/Dv]
@@ -250,11 +262,11 @@ def attention_bwd(
     dk = torch.zeros(heads, k.shape[0] + 1, k.shape[2], dtype=cdt, device=q.device)
     dv = torch.zeros(heads, v.shape[0] + 1, v.shape[2], dtype=cdt, device=q.device)
     q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
-    qp, kp, vp, dop = None, None, None, None
+    major: list[torch.Tensor] = []  # q, k, v, dout head-major, converted once as in attention_fwd
     for members in _buckets(lq, lk, heads):
-        if qp is None:
-            qp, kp, vp = _head_major(q, cdt), _head_major(k, cdt), _head_major(v, cdt)
-            dop = _head_major(dout, cdt)
+        if not major:
+            major = [_head_major(t, cdt) for t in (q, k, v, dout)]
+        qp, kp, vp, dop = major
         grp = _group(members, q_start, k_start, lq, lk, q.shape[0], k.shape[0], left, right, q.device)
         qb, dob = _gather(qp, grp.q_idx, grp.size), _gather(dop, grp.q_idx, grp.size)  # [H, G, Lq, D/Dv]
         kb, vb = _gather(kp, grp.k_idx, grp.size), _gather(vp, grp.k_idx, grp.size)  # [H, G, Lk, D/Dv]

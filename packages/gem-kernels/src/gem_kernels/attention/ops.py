@@ -14,6 +14,9 @@ implementations (so ``torch.compile`` traces through them without a graph break)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
@@ -30,23 +33,22 @@ from gem_kernels.attention.activations import canonical_activation
 MAX_TRITON_HEAD_DIM = 256
 
 
-def _kernels_for(q: torch.Tensor, v: torch.Tensor):
-    """The Triton kernel module when the op should run on it, else None (the reference path).
+def _on_triton(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the op runs the Triton kernels (else the vectorized PyTorch path).
 
-    fp64 and head dims above 256 always take the reference (an error if the triton backend is forced)."""
+    fp64 and head dims above 256 always take the PyTorch path (an error if the triton backend is forced).
+    The kernel module is imported lazily by the callers, so that importing gem_kernels does not import
+    Triton."""
     if not use_triton(q):
-        return None
+        return False
     if q.dtype == torch.float64 or max(q.shape[2], v.shape[2]) > MAX_TRITON_HEAD_DIM:
         if get_backend() == "triton":
             raise NotImplementedError(
                 f"the triton attention kernels take fp32/fp16/bf16 and head dims <= {MAX_TRITON_HEAD_DIM}, "
                 f"got {q.dtype}, D={q.shape[2]}, Dv={v.shape[2]}"
             )
-        return None
-    # Imported lazily so that importing gem_kernels does not import Triton.
-    from gem_kernels.attention import triton_attention
-
-    return triton_attention
+        return False
+    return True
 
 
 @torch.library.custom_op("gem_kernels::jagged_attention_fwd", mutates_args=())
@@ -64,9 +66,10 @@ def _attention_fwd(
     qk_scale: float,
     out_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    kernels = _kernels_for(q, v)
-    if kernels is not None:
-        return kernels.attention_fwd(
+    if _on_triton(q, v):
+        from gem_kernels.attention import triton_attention
+
+        return triton_attention.attention_fwd(
             q,
             k,
             v,
@@ -85,8 +88,19 @@ def _attention_fwd(
 
 @_attention_fwd.register_fake
 def _attention_fwd_fake(
-    q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, left, right, qk_scale, out_scale
-):
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
+    activation: str,
+    left: int,
+    right: int,
+    qk_scale: float,
+    out_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     lse_shape = (q.shape[0], q.shape[1]) if activation == reference.SOFTMAX else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)
@@ -110,9 +124,10 @@ def _attention_bwd(
     qk_scale: float,
     out_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kernels = _kernels_for(q, v)
-    if kernels is not None:
-        return kernels.attention_bwd(
+    if _on_triton(q, v):
+        from gem_kernels.attention import triton_attention
+
+        return triton_attention.attention_bwd(
             dout,
             q,
             k,
@@ -135,7 +150,9 @@ def _attention_bwd(
 
 
 @_attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, *_):
+def _attention_bwd_fake(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Contiguous whatever the inputs' strides, as both implementations return.
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -143,7 +160,7 @@ def _attention_bwd_fake(dout, q, k, v, *_):
 _STATIC = ("max_q_len", "max_kv_len", "activation", "left", "right", "qk_scale", "out_scale")
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, q_offsets, kv_offsets, *static = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, q_offsets, kv_offsets, out, lse)
@@ -151,7 +168,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     q, k, v, q_offsets, kv_offsets, out, lse = ctx.saved_tensors
     if dout is None:
         return (None,) * (5 + len(_STATIC))
@@ -167,24 +184,47 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------------------------------
 
 
-def _flops(factor, q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, left, right, *_) -> int:
+def _flops(
+    factor: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
+    activation: str,
+    left: int,
+    right: int,
+    *_: object,
+) -> int:
     """``factor * pairs * H * (D + Dv)`` for the forward op's arguments: factor 2 for one product with
     ``D`` and one with ``Dv`` per pair and head (2 flops per multiply-add), 4 for two of each."""
     try:
         pairs = reference.count_valid_pairs(q_offsets, kv_offsets, left, right)
     except Exception:  # fake tensors (tracing): an upper bound, every query against max_kv_len keys
         pairs = int(q.shape[0]) * int(max_kv_len)
-    return factor * pairs * q.shape[1] * (q.shape[2] + v.shape[2])
+    return int(factor * pairs * q.shape[1] * (q.shape[2] + v.shape[2]))
 
 
 @register_flop_formula(torch.ops.gem_kernels.jagged_attention_fwd, get_raw=True)
-def _attention_fwd_flops(*args, out_val=None, **kwargs) -> int:
+def _attention_fwd_flops(*args: Any, out_val: object = None, **kwargs: object) -> int:
     """Forward: S = Q K^T and O = P V over the valid pairs."""
     return _flops(2, *args)
 
 
 @register_flop_formula(torch.ops.gem_kernels.jagged_attention_bwd, get_raw=True)
-def _attention_bwd_flops(dout, q, k, v, out, lse, *fwd_args, out_val=None, **kwargs) -> int:
+def _attention_bwd_flops(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *fwd_args: Any,
+    out_val: object = None,
+    **kwargs: object,
+) -> int:
     """Backward: dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q (the recomputation of S not counted,
     the convention of torch's own SDPA formulas)."""
     return _flops(4, q, k, v, *fwd_args)
@@ -195,13 +235,13 @@ def _attention_bwd_flops(dout, q, k, v, out, lse, *fwd_args, out_val=None, **kwa
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_max_len(name: str, value) -> int:
+def _check_max_len(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     return value
 
 
-def _band(causal: bool, window, self_attention: bool) -> tuple[int, int]:
+def _band(causal: bool, window: Sequence[int] | None, self_attention: bool) -> tuple[int, int]:
     """``(left, right)`` for the kernels (``-1`` = unbounded) from ``causal`` and ``window``."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -222,7 +262,19 @@ def _band(causal: bool, window, self_attention: bool) -> tuple[int, int]:
     return left, right
 
 
-def _prepare(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, window):
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor | None,
+    max_q_len: int,
+    max_kv_len: int | None,
+    causal: bool,
+    window: Sequence[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int, int]:
+    """Validates the public ops' arguments; returns what the custom op takes (kv_offsets, max_kv_len
+    filled in for self-attention, the band as ``(left, right)``)."""
     check_values("q", q, ndim=3)
     check_values("k", k, ndim=3)
     check_values("v", v, ndim=3)
@@ -238,7 +290,7 @@ def _prepare(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, wind
         raise ValueError(f"v must have as many tokens as k ({k.shape[0]}), got {v.shape[0]}")
     max_q_len = _check_max_len("max_q_len", max_q_len)
     self_attention = kv_offsets is None
-    if self_attention:
+    if kv_offsets is None:
         if k.shape[0] != q.shape[0]:
             raise ValueError(
                 f"self-attention (kv_offsets=None) needs k and v with q's {q.shape[0]} tokens, "
@@ -282,7 +334,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_scale(name: str, value, default: float) -> float:
+def _check_scale(name: str, value: object, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -325,10 +377,10 @@ def jagged_flash_attention(
         q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, window
     )
     scale = _check_scale("scale", scale, q.shape[2] ** -0.5)
-    out, _ = _attention_fwd(
+    out_lse: tuple[torch.Tensor, torch.Tensor] = _attention_fwd(
         q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, reference.SOFTMAX, left, right, scale, 1.0
     )
-    return out
+    return out_lse[0]
 
 
 def gdpa(
@@ -366,7 +418,7 @@ def gdpa(
     )
     qk_scale = _check_scale("qk_scale", qk_scale, q.shape[2] ** -0.5)
     out_scale = _check_scale("out_scale", out_scale, 1.0 / max(max_kv_len, 1))
-    out, _ = _attention_fwd(
+    out_lse: tuple[torch.Tensor, torch.Tensor] = _attention_fwd(
         q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, left, right, qk_scale, out_scale
     )
-    return out
+    return out_lse[0]

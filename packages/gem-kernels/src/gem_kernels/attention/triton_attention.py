@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import triton
@@ -34,6 +35,10 @@ from gem_kernels.attention.activations import ACTIVATION_IDS
 from gem_kernels.attention.triton_bwd import _dkdv_kernel, _dq_kernel
 from gem_kernels.attention.triton_fwd import _fwd_kernel
 from gem_kernels.attention.triton_onetile import _bwd_few_q_kernel, _bwd_short_kv_kernel, _fwd_short_kv_kernel
+
+# Triton objects (kernels, autotuners, configs) are untyped: Any. Constexpr values by name:
+Consts = dict[str, Any]
+Grid = tuple[int, ...]
 
 # Stands for an unbounded side of the band; small enough that ``i + UNBOUNDED`` fits in int32.
 UNBOUNDED = 1 << 30
@@ -75,7 +80,7 @@ def force_variant(name: str) -> Iterator[None]:
 
 
 def _bucket(n: int) -> int:
-    return max(16, triton.next_power_of_2(max(n, 1)))
+    return max(16, int(triton.next_power_of_2(max(n, 1))))
 
 
 # Candidates per kernel and shape class, as (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M tiles the
@@ -117,8 +122,8 @@ def _configs(kernel: str) -> list[triton.Config]:
     ]
 
 
-def _pruner(kernel: str):
-    def prune(configs, named_args, **kwargs):
+def _pruner(kernel: str) -> Callable[..., list[Any]]:
+    def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: object) -> list[Any]:
         """Keep the candidates of the shape class (and key tiles no longer than the keys' bucket)."""
         bq, bkv = named_args["bucket_q"], named_args["bucket_kv"]
         wanted = set(_CANDIDATES[kernel][shape_class(bq, bkv)])
@@ -136,7 +141,7 @@ def _pruner(kernel: str):
 _KEY = ["bucket_b", "bucket_q", "bucket_kv", "band_kind", "ACT", "D", "DV", "PRECISION", "FAST_ACT"]
 
 
-def _tuned(kernel: str, fn):
+def _tuned(kernel: str, fn: Any) -> Any:
     return triton.autotune(
         _configs(kernel), key=_KEY, prune_configs_by={"early_config_prune": _pruner(kernel)}
     )(fn)
@@ -148,7 +153,7 @@ _dkdv_tuned = _tuned("dkdv", _dkdv_kernel)
 _fast_act_ok = True  # cleared if the hardware-tanh activations fail to compile on this GPU/Triton
 
 
-def _onetile_tuned(fn, stream_block: str, candidates):
+def _onetile_tuned(fn: Any, stream_block: str, candidates: list[tuple[int, int, int]]) -> Any:
     """Autotuned over the streamed block only; the resident block is fixed by the caller (the bucket)."""
     configs = [triton.Config({stream_block: blk}, num_warps=w, num_stages=st) for blk, w, st in candidates]
     return triton.autotune(configs, key=_KEY)(fn)
@@ -158,10 +163,12 @@ _fwd_short_kv_tuned = _onetile_tuned(_fwd_short_kv_kernel, "BLOCK_M", [(128, 8, 
 _bwd_short_kv_tuned = _onetile_tuned(_bwd_short_kv_kernel, "BLOCK_M", [(64, 4, 3), (128, 8, 3), (32, 4, 3)])
 _bwd_few_q_tuned = _onetile_tuned(_bwd_few_q_kernel, "BLOCK_N", [(64, 4, 3), (128, 8, 3), (128, 4, 3)])
 # (family, buckets, constexprs, dtype) -> "tiled" or "onetile", decided by timing on the first call.
-variant_choice: dict[tuple, str] = {}
+variant_choice: dict[tuple[Any, ...], str] = {}
 
 
-def _launch_onetile(tuned, raw, grid, args, consts, resident: dict) -> None:
+def _launch_onetile(
+    tuned: Any, raw: Any, grid: Grid, args: tuple[Any, ...], consts: Consts, resident: dict[str, int]
+) -> None:
     """Launch a one-tile kernel: ``resident`` fixes the block of the short side."""
     if triton_interpreted() or _forced is not None:
         bm, bn = _forced if _forced is not None else (32, 32)
@@ -171,7 +178,7 @@ def _launch_onetile(tuned, raw, grid, args, consts, resident: dict) -> None:
         _with_fast_act_fallback(lambda c: tuned[grid](*args, **resident, **c), consts)
 
 
-def _with_fast_act_fallback(launch, consts) -> None:
+def _with_fast_act_fallback(launch: Callable[[Consts], None], consts: Consts) -> None:
     global _fast_act_ok
     try:
         launch(consts)
@@ -183,7 +190,7 @@ def _with_fast_act_fallback(launch, consts) -> None:
         launch({**consts, "FAST_ACT": False})
 
 
-def _choose(key: tuple, tiled, onetile) -> None:
+def _choose(key: tuple[Any, ...], tiled: Callable[[], None], onetile: Callable[[], None]) -> None:
     """Run ``onetile`` or ``tiled`` (callables that launch), per the forced or default variant; "auto" on
     CUDA times both once per key and keeps the faster (under the interpreter it runs ``onetile``)."""
     variant = _forced_variant or DEFAULT_VARIANT
@@ -205,7 +212,9 @@ def _choose(key: tuple, tiled, onetile) -> None:
     (onetile if variant_choice[key] == "onetile" else tiled)()
 
 
-def _launch(tuned, raw, grid_of, args, consts) -> None:
+def _launch(
+    tuned: Any, raw: Any, grid_of: Callable[[int, int], Grid], args: tuple[Any, ...], consts: Consts
+) -> None:
     """Launch ``raw`` with fixed blocks (interpreter or forced) or ``tuned`` (CUDA autotune).
 
     ``grid_of(block_m, block_n)`` gives the grid; axis 1 counts the tiles of the longest sequence."""
@@ -220,14 +229,17 @@ def _launch(tuned, raw, grid_of, args, consts) -> None:
         )
 
 
-def _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right):
+def _setup(
+    q: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, max_q_len: int, max_kv_len: int,
+    activation: str, left: int, right: int,
+) -> tuple[int, int, tuple[int, int, int, int], Consts]:
     """``(left, right, autotune buckets, constexprs)`` shared by the three launchers."""
     left = UNBOUNDED if left < 0 else left
     right = UNBOUNDED if right < 0 else right
     band_kind = 0 if (left, right) == (UNBOUNDED, UNBOUNDED) else 1 if left == UNBOUNDED else 2
     d, dv = q.shape[2], v.shape[2]
     buckets = (_bucket(q_offsets.numel() - 1), _bucket(max_q_len), _bucket(max_kv_len), band_kind)
-    consts = dict(
+    consts: Consts = dict(
         ACT=ACTIVATION_IDS[activation],
         D=d,
         DV=dv,
@@ -250,12 +262,15 @@ def _strides(*ts: torch.Tensor) -> tuple[int, ...]:
     return tuple(s for t in ts for s in (t.stride(0), t.stride(1)))
 
 
-def _choice_key(family: str, q: torch.Tensor, buckets, consts) -> tuple:
+def _choice_key(family: str, q: torch.Tensor, buckets: tuple[int, ...], consts: Consts) -> tuple[Any, ...]:
     return (family, q.dtype, *buckets, *sorted(consts.items()))
 
 
-def attention_fwd(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, left, right, qk_scale,
-                  out_scale):
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
+    max_q_len: int, max_kv_len: int, activation: str, left: int, right: int, qk_scale: float,
+    out_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton forward: ``(out [total_q, H, Dv], lse [total_q, H] fp32, or empty for GDPA)``.
 
     Arguments as in :func:`gem_kernels.attention.reference.attention_fwd`, plus the host ints
@@ -270,7 +285,7 @@ def attention_fwd(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activat
     args = (q, k, v, out, lse, q_offsets, kv_offsets, *_strides(q, k, v, out), heads, left, right, qk_scale,
             out_scale, *buckets)
 
-    def tiled():
+    def tiled() -> None:
         grid_of = lambda bm, bn: (batch * heads, triton.cdiv(max_q_len, bm))
         _launch(_fwd_tuned, _fwd_kernel, grid_of, args, consts)
 
@@ -278,7 +293,7 @@ def attention_fwd(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activat
         tiled()
         return out, lse
 
-    def onetile():
+    def onetile() -> None:
         _launch_onetile(_fwd_short_kv_tuned, _fwd_short_kv_kernel, (batch * heads,), args, consts,
                         {"BLOCK_N": buckets[2]})
 
@@ -286,8 +301,11 @@ def attention_fwd(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activat
     return out, lse
 
 
-def attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, left,
-                  right, qk_scale, out_scale):
+def attention_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int,
+    activation: str, left: int, right: int, qk_scale: float, out_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton backward: ``(dq, dk, dv)`` in the dtypes of ``(q, k, v)``.
 
     General: the dQ kernel (which also writes ``delta = rowsum(dO * O)`` for softmax), then the dK/dV
@@ -303,7 +321,7 @@ def attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max
     left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
     strides = _strides(q, k, v, out)
 
-    def tiled():
+    def tiled() -> None:
         delta = torch.empty_like(lse)
         if q.shape[0] > 0:
             args = (q, k, v, out, dout, dq, lse, delta, q_offsets, kv_offsets, *strides, heads, left, right,
@@ -323,11 +341,11 @@ def attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max
     args = (q, k, v, out, dout, dq, dk, dv, lse, q_offsets, kv_offsets, *strides, heads, left, right,
             qk_scale, out_scale, *buckets)
     if kind == "short_kv":
-        def onetile():
+        def onetile() -> None:
             _launch_onetile(_bwd_short_kv_tuned, _bwd_short_kv_kernel, (batch * heads,), args, consts,
                             {"BLOCK_N": buckets[2]})
     else:
-        def onetile():
+        def onetile() -> None:
             _launch_onetile(_bwd_few_q_tuned, _bwd_few_q_kernel, (batch * heads,), args, consts,
                             {"BLOCK_M": buckets[1]})
 

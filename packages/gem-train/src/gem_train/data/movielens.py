@@ -223,7 +223,8 @@ def _unique_ids(path: Path, rows: list[tuple[int, list[str]]], name: str) -> lis
     if n == 0:
         raise MovieLensFormatError(f"{path}: no records")
     why = f" (ML-100K numbers its {n} {name.split('_')[0]}s consecutively from 1)"
-    ids, seen = [], {}
+    ids: list[int] = []
+    seen: dict[int, int] = {}
     for ln, f in rows:
         v = _int(path, ln, name, f[0], 1, n, why)
         if v in seen:
@@ -373,7 +374,7 @@ class MovieLens100K:
 
     # BatchSource -------------------------------------------------------------------------------------------
 
-    def num_batches(self, split: str, batch_size: int) -> int | None:
+    def num_batches(self, split: str, batch_size: int) -> int:
         """Batches in one pass over ``split`` ("train", "valid" or "eval"); "valid" has 0 when disabled."""
         if split in ("eval", "valid"):
             return -(-len(self._held_out(split)) // batch_size)

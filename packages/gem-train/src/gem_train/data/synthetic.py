@@ -156,9 +156,13 @@ class SyntheticAds:
     def num_batches(self, split: str, batch_size: int) -> int | None:
         """Batches per pass: eval ``ceil(eval_examples / B)``; train None (endless) or one epoch."""
         if split in ("eval", "valid"):
-            return -(-self._held_out_examples(split) // batch_size)
+            return self.held_out_batches(split, batch_size)
         epoch = self.cfg.train_examples_per_epoch
         return max(1, epoch // batch_size) if epoch else None
+
+    def held_out_batches(self, split: str, batch_size: int) -> int:
+        """Batches of the "eval" or "valid" split (the last may be smaller)."""
+        return -(-self._held_out_examples(split) // batch_size)
 
     def _held_out_examples(self, split: str) -> int:
         return self.cfg.eval_examples if split == "eval" else self.cfg.valid_examples
@@ -166,14 +170,14 @@ class SyntheticAds:
     def get(self, split: str, index: int, batch_size: int) -> LoadedBatch:
         """Batch ``index`` for the loader (train indices wrap around a finite epoch; the last eval batch
         is smaller when ``eval_examples`` is not a multiple of the batch size)."""
-        n = self.num_batches(split, batch_size)
         size = batch_size
         if split in ("eval", "valid"):
+            n = self.held_out_batches(split, batch_size)
             if not 0 <= index < n:
                 raise IndexError(f"{split} batch {index} out of range ({n} batches)")
             size = min(batch_size, self._held_out_examples(split) - index * batch_size)
-        elif n is not None:
-            index %= n
+        elif (per_epoch := self.num_batches(split, batch_size)) is not None:
+            index %= per_epoch
         sb = self.make_batch(split, index, size)
         return LoadedBatch(sb.batch, index, sb.true_probs)
 

@@ -1,0 +1,152 @@
+"""RowWiseAdagrad and the learning-rate schedule against reference computations written out here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from gem_train.optim import RowWiseAdagrad, lr_factor
+
+
+def _reference_rowwise_adagrad(
+    w0: torch.Tensor, grads: list[torch.Tensor], lr: float, eps: float
+) -> torch.Tensor:
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD in float64, one row at a time: ``s_r += mean_j g_rj^2``,
+    ``w_r -= lr * g_r / (sqrt(s_r) + eps)``."""
+    w = w0.double().clone()
+    s = [0.0] * w.shape[0]
+    for g in grads:
+        g = g.double()
+        for r in range(w.shape[0]):
+            s[r] += float((g[r] ** 2).mean())
+            w[r] -= lr * g[r] / (math.sqrt(s[r]) + eps)
+    return w
+
+
+def _grads(rows: int, dim: int, steps: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(steps):
+        g = torch.randn(rows, dim, generator=gen) * (1 + 3 * i)  # growing scale: the accumulator matters
+        g[i % rows] = 0.0  # a row not looked up this step
+        out.append(g)
+    return out
+
+
+def _run(param: nn.Parameter, grads: list[torch.Tensor], lr: float, eps: float) -> None:
+    opt = RowWiseAdagrad([param], lr=lr, eps=eps)
+    for g in grads:
+        param.grad = g.to(param.dtype).reshape(param.shape)
+        opt.step()
+
+
+def test_dense_gradients_match_the_reference():
+    w0 = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    grads = _grads(5, 4, 3)
+    p = nn.Parameter(w0.clone())
+    _run(p, grads, lr=0.1, eps=1e-8)
+    # fp32 updates against an fp64 reference: a few fp32 ulps of |w| ~ 1.
+    torch.testing.assert_close(
+        p.detach().double(), _reference_rowwise_adagrad(w0, grads, 0.1, 1e-8), rtol=1e-6, atol=1e-6
+    )
+    # Discriminates: element-wise Adagrad (one accumulator per element) ends elsewhere.
+    elementwise = nn.Parameter(w0.clone())
+    opt = torch.optim.Adagrad([elementwise], lr=0.1, eps=1e-8)
+    for g in grads:
+        elementwise.grad = g.clone()
+        opt.step()
+    assert (elementwise.detach() - p.detach()).abs().max() > 1e-2
+
+
+def test_a_row_without_gradient_stays_put_and_keeps_its_accumulator():
+    w0 = torch.randn(3, 2)
+    p = nn.Parameter(w0.clone())
+    g = torch.tensor([[1.0, -2.0], [0.0, 0.0], [3.0, 1.0]])
+    _run(p, [g], lr=0.5, eps=1e-8)
+    assert torch.equal(p.detach()[1], w0[1])
+    opt_state = RowWiseAdagrad([p], lr=0.5)
+    p.grad = g
+    opt_state.step()
+    acc = opt_state.state[p]["sum"]
+    torch.testing.assert_close(acc, torch.tensor([2.5, 0.0, 5.0]))  # mean of the squared row
+
+
+def test_sparse_gradients_of_an_embedding_bag_match_the_dense_path():
+    torch.manual_seed(2)
+    table = nn.EmbeddingBag(10, 4, mode="sum", sparse=True)
+    dense = nn.Parameter(table.weight.detach().clone())
+    w0 = dense.detach().clone()
+    opt_sparse = RowWiseAdagrad(table.parameters(), lr=0.05, eps=1e-8)
+    opt_dense = RowWiseAdagrad([dense], lr=0.05, eps=1e-8)
+    grads = []
+    for ids in ([1, 3, 3, 7], [0, 3], [9]):  # a repeated id: its gradient rows are summed (coalesce)
+        table.zero_grad()
+        out = table(torch.tensor(ids), torch.tensor([0]))
+        (out * torch.arange(1.0, 5.0)).sum().backward()
+        assert table.weight.grad.is_sparse
+        g = table.weight.grad.to_dense()
+        grads.append(g)
+        opt_sparse.step()
+        dense.grad = g.clone()
+        opt_dense.step()
+    torch.testing.assert_close(table.weight.detach(), dense.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        table.weight.detach().double(),
+        _reference_rowwise_adagrad(w0, grads, 0.05, 1e-8),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+    untouched = [2, 4, 5, 6, 8]
+    assert torch.equal(table.weight.detach()[untouched], w0[untouched])
+
+
+def test_bf16_table_keeps_an_fp32_accumulator_and_1d_params_are_width_one_tables():
+    table = nn.Parameter(torch.randn(4, 8).to(torch.bfloat16))
+    vec = nn.Parameter(torch.randn(6))
+    opt = RowWiseAdagrad([table, vec], lr=0.1)
+    table.grad = torch.randn(4, 8).to(torch.bfloat16)
+    vec.grad = torch.randn(6)
+    w_vec = vec.detach().clone()
+    g_vec = vec.grad.clone()
+    opt.step()
+    assert opt.state[table]["sum"].dtype == torch.float32 and opt.state[table]["sum"].shape == (4,)
+    assert table.dtype == torch.bfloat16
+    # Width 1: s = g^2, so each element moves by lr * g / (|g| + eps) = lr * sign(g).
+    torch.testing.assert_close(vec.detach(), w_vec - 0.1 * torch.sign(g_vec), rtol=0, atol=1e-6)
+
+
+def test_rowwise_adagrad_rejects_a_non_positive_lr():
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        RowWiseAdagrad([nn.Parameter(torch.zeros(2, 2))], lr=0.0)
+
+
+def _reference_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warm-up to 1 over ``warmup`` steps, then a half cosine from 1 (step ``warmup``) to
+    ``min_ratio`` (the last step, ``total - 1``)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, total - 1 - warmup)
+    return min_ratio + (1 - min_ratio) * (1 + math.cos(math.pi * min(t, 1.0))) / 2
+
+
+@pytest.mark.parametrize(
+    ("total", "warmup", "min_ratio"), [(100, 10, 0.1), (50, 0, 0.0), (12, 11, 0.5), (1, 0, 0.2)]
+)
+def test_lr_factor_matches_the_reference_schedule(total, warmup, min_ratio):
+    got = [lr_factor(s, total, warmup, min_ratio) for s in range(total)]
+    want = [_reference_lr(s, total, warmup, min_ratio) for s in range(total)]
+    assert got == pytest.approx(want, abs=1e-12)
+    if warmup:
+        assert got[0] == pytest.approx(1 / warmup) and got[warmup - 1] == pytest.approx(1.0)
+    if total - 1 > warmup:
+        assert got[warmup] == pytest.approx(1.0) and got[-1] == pytest.approx(min_ratio)
+        assert all(a >= b for a, b in zip(got[warmup:], got[warmup + 1 :]))  # decays monotonically
+
+
+def test_lr_factor_midpoint_and_past_the_end():
+    # Half-way through the decay the cosine is at its mean; steps past the end stay at the floor.
+    assert lr_factor(53, 102, 5, 0.2) == pytest.approx(0.6)  # decay over steps 5..101: 53 is half-way
+    assert lr_factor(500, 102, 5, 0.2) == pytest.approx(0.2)
