@@ -97,24 +97,41 @@ def table_weights(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def sharded_table_weights(model: nn.Module) -> dict[str, Tensor]:
-    """Every table as one whole tensor from a sharded model (collective over the table's group: gathers
-    each ShardedTensor to rank 0 of its group, then broadcasts within it)."""
+def _whole(entries: dict[str, object], shapes: dict[str, tuple[int, ...]], group) -> dict[str, Tensor]:
+    """Whole tensors from this rank's shards (``local_pieces``), summed over the sharding ``group`` (each
+    element lives on exactly one rank of it). Collective: every rank of the group, the same names."""
     import torch.distributed as dist
 
+    from gem_parallel.sparse.shard import local_pieces
+
     out = {}
-    sd = model.embeddings.state_dict()
-    for key in sorted(sd):
-        st = sd[key]
-        name = key.split(".")[-2]
-        full = torch.zeros(st.size()) if st._process_group is not None else None
-        group = st._process_group
-        grank = dist.get_rank(group)
-        st.gather(dst=0, out=full if grank == 0 else None)
-        src = dist.get_global_rank(group, 0)
-        dist.broadcast(full, src=src, group=group)
+    for name in sorted(shapes):
+        full = torch.zeros(shapes[name])
+        entry = entries.get(name)
+        for offsets, piece in local_pieces(entry) if entry is not None else []:  # type: ignore[arg-type]
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))] += piece
+        dist.all_reduce(full, group=group)
         out[name] = full
     return out
+
+
+def _shapes() -> dict[str, tuple[int, ...]]:
+    return {n: (r, DIM) for n, r in BAG_TABLES + SEQ_TABLES}
+
+
+def sharded_table_weights(model: nn.Module, group) -> dict[str, Tensor]:
+    """Every table as one whole tensor from a sharded model (collective over the sharding group)."""
+    sd = model.embeddings.state_dict()
+    return _whole({k.split(".")[-2]: v for k, v in sd.items()}, _shapes(), group)
+
+
+def sharded_state(model: nn.Module, group) -> dict[str, Tensor]:
+    """Row-wise Adagrad accumulators of a sharded model, whole, per table name (collective over the group)."""
+    from gem_parallel.sparse import sparse_sharding
+
+    sd = sparse_sharding(model).fused_optimizer.state_dict()["state"]
+    mine = {kk.split(".")[0]: st for s in sd.values() for kk, st in s.items()}
+    return _whole(mine, {n: (r,) for n, (r, _) in _shapes().items()}, group)
 
 
 def reference_run(
@@ -171,32 +188,3 @@ def reference_run(
     ]
     tables = [table_weights(m) for m in models]
     return {"losses": losses, "tables": tables, "state": state, "touched": touched, "initial": initial}
-
-
-def sharded_state(model: nn.Module) -> dict[str, Tensor]:
-    """Row-wise Adagrad accumulators of a sharded model, whole, per table name (collective like
-    :func:`sharded_table_weights`)."""
-    import torch.distributed as dist
-
-    from gem_parallel.sparse import sparse_sharding
-
-    sd = sparse_sharding(model).fused_optimizer.state_dict()["state"]
-    mine = {k.split(".")[-2]: v for k, v in ((kk, st) for s in sd.values() for kk, st in s.items())}
-    # Every rank of a group must take part in each gather, also for tables it holds no shard of: walk the
-    # tables in one order (the weights' state_dict lists them all on every rank).
-    out = {}
-    for key in sorted(model.embeddings.state_dict()):
-        name = key.split(".")[-2]
-        st = mine.get(name)
-        st_w = model.embeddings.state_dict()[key]
-        group = st_w._process_group
-        rows = st_w.size()[0]
-        full = torch.zeros(rows)
-        if st is not None:
-            # A rank's local shards of the accumulator, placed by the weight shards' row offsets.
-            for shard in st.local_shards():
-                off = shard.metadata.shard_offsets[0]
-                full[off : off + shard.tensor.numel()] = shard.tensor.reshape(-1)
-        dist.all_reduce(full, group=group)
-        out[name] = full
-    return out

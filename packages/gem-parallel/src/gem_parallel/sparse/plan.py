@@ -128,9 +128,9 @@ def rank_bytes(tables: list[TableInfo], plan: ShardingPlan, group: int) -> list[
     for path, module_plan in plan.plan.items():
         for name, ps in module_plan.items():  # type: ignore[attr-defined]
             t = by_key[(path, name)]
-            for shard in ps.sharding_spec.shards:  # type: ignore[union-attr]
+            for shard in ps.sharding_spec.shards:
                 rows, cols = shard.shard_sizes
-                rank = shard.placement.rank()  # type: ignore[union-attr]
+                rank = shard.placement.rank()
                 # Row-wise state is per row of each shard (a column-wise shard keeps its own accumulator).
                 per_rank[rank] += rows * (cols * t.weight_bytes_per_row // t.dim + 4)
     return per_rank
@@ -200,7 +200,7 @@ def make_plan(
         }
         plans[path] = construct_module_sharding_plan(
             coll,
-            per_table,  # type: ignore[arg-type]
+            per_table,
             sharder=sharder_of[type(coll)],
             local_size=group,
             world_size=group,
@@ -227,7 +227,7 @@ def check_plan(
     """
     tables = embedding_tables(module)
     want = {(t.module, t.name) for t in tables}
-    have = {(p, n) for p, mp in plan.plan.items() for n in mp}  # type: ignore[union-attr]
+    have = {(p, n) for p, mp in plan.plan.items() for n in mp}  # type: ignore[attr-defined]
     if want != have:
         raise PlanError(
             f"the plan does not cover exactly the model's tables: missing {sorted(want - have)}, "
@@ -269,7 +269,7 @@ def plan_fingerprint(plan: ShardingPlan) -> str:
         for n, ps in sorted(plan.plan[p].items()):  # type: ignore[attr-defined]
             shards = [
                 (tuple(s.shard_offsets), tuple(s.shard_sizes), str(s.placement))
-                for s in ps.sharding_spec.shards  # type: ignore[union-attr]
+                for s in ps.sharding_spec.shards
             ]
             items.append((p, n, ps.sharding_type, ps.compute_kernel, tuple(ps.ranks or []), tuple(shards)))
     return hashlib.sha256(repr(items).encode()).hexdigest()

@@ -101,7 +101,7 @@ class ReplicaSync:
         if self.replicas == 1:
             return
         opts = dist.AllreduceCoalescedOptions()
-        opts.reduceOp = dist.ReduceOp.AVG
+        opts.reduceOp = dist.ReduceOp.AVG  # type: ignore[assignment]
         for tensors in self._tensors:
             if tensors:
                 self.group.allreduce_coalesced(tensors, opts).wait()  # type: ignore[union-attr]

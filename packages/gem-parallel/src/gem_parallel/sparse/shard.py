@@ -24,6 +24,7 @@ import gem_parallel._stack  # noqa: F401
 
 # isort: split
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +33,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.remote_device import _remote_device
+from torch.distributed.tensor import DTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.shards_wrapper import LocalShardsWrapper
+from torchrec.distributed.types import ShardingEnv, ShardingEnv2D, ShardingPlan
 
 from gem_parallel.config import EMBEDDING_STRATEGIES
 from gem_parallel.dims import SPARSE_AXES, ParallelDims
@@ -47,9 +51,9 @@ from gem_parallel.sparse.plan import (
     rank_bytes,
 )
 from gem_parallel.sparse.replicas import FullyShardedReplicas, ReplicaSync, tbe_kernels, tbe_storage
-from gem_parallel.sparse.sharders import fused_params, gem_sharders
+from gem_parallel.sparse.sharders import gem_sharders
 
-__all__ = ["SparseSharding", "shard_embeddings", "sparse_sharding"]
+__all__ = ["SparseSharding", "check_sharding", "local_pieces", "shard_embeddings", "sparse_sharding"]
 
 
 @dataclass
@@ -163,6 +167,41 @@ def _validate(dims: ParallelDims, mesh: DeviceMesh | None, strategy: str, sync_e
         )
 
 
+def _device(tables: nn.Module) -> torch.device:
+    return next((p.device for p in tables.parameters()), torch.device("cpu"))
+
+
+def check_sharding(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    *,
+    strategy: str = "1d",
+    plan: ShardingPlan | None = None,
+    sync_every: int = 1,
+    lr: float = 0.05,
+    eps: float = 1e-8,
+    memory_per_rank: int | None = None,
+) -> ShardingPlan:
+    """Everything :func:`shard_embeddings` checks, with no collective; returns the (group-local) plan.
+
+    Raises:
+        ValueError / PlanError: the same error on every rank (all inputs are the same on every rank).
+    """
+    _validate(dims, mesh, strategy, sync_every)
+    tables = _tables_module(model)
+    sharders = gem_sharders(lr, eps)
+    group, replicas = dims.sparse_group, dims.sparse_replicas
+    # Fully sharded 2D gathers the whole shard for the step while keeping its own slice.
+    resident = 1.0 + 1.0 / replicas if strategy == "fully_sharded_2d" and replicas > 1 else 1.0
+    device = _device(tables)
+    if plan is None:
+        return make_plan(tables, group, sharders, device_type=device.type, memory_per_rank=memory_per_rank,
+                         resident_factor=resident)  # fmt: skip
+    check_plan(tables, plan, group, memory_per_rank=memory_per_rank, resident_factor=resident)
+    return plan
+
+
 def shard_embeddings(
     model: nn.Module,
     dims: ParallelDims,
@@ -195,39 +234,26 @@ def shard_embeddings(
         ValueError / PlanError: a misconfiguration or a plan that cannot fit, on every rank, before any
             collective.
     """
-    _validate(dims, mesh, strategy, sync_every)
+    plan = check_sharding(
+        model, dims, mesh, strategy=strategy, plan=plan, sync_every=sync_every, lr=lr, eps=eps,
+        memory_per_rank=memory_per_rank,
+    )  # fmt: skip
     assert mesh is not None
     tables = _tables_module(model)
     infos = embedding_tables(tables)
     group, replicas = dims.sparse_group, dims.sparse_replicas
     sharders = gem_sharders(lr, eps)
-    fused_params(lr, eps)
-    device = next((p.device for p in tables.parameters()), torch.device("cpu"))
-    # Fully sharded 2D gathers the whole shard for the step while keeping its own slice.
-    resident = 1.0 + 1.0 / replicas if strategy == "fully_sharded_2d" and replicas > 1 else 1.0
-    if plan is None:
-        plan = make_plan(tables, group, sharders, device_type=device.type, memory_per_rank=memory_per_rank,
-                         resident_factor=resident)  # fmt: skip
-    else:
-        check_plan(tables, plan, group, memory_per_rank=memory_per_rank, resident_factor=resident)
+    device = _device(tables)
     # --- collectives from here on: every rank has passed the same checks ---
     check_plans_agree(plan)
-    shard_pg = mesh["sparse_shard"].get_group()
-    replica_pg = mesh["sparse_replicate"].get_group() if replicas > 1 else None
+    env, replica_pg, placed = _sharding_env(dims, plan, device)
     # DistributedModelParallel initialises the shards afresh: keep the unsharded weights to copy in.
     initial = {k: v.detach() for k, v in tables.state_dict().items() if not v.is_meta}
     dmp = DistributedModelParallel(
-        tables,
-        env=ShardingEnv.from_process_group(shard_pg),
-        device=device,
-        plan=plan,
-        sharders=sharders,
-        init_data_parallel=False,
+        tables, env=env, device=device, plan=placed, sharders=sharders, init_data_parallel=False
     )
-    if dmp.module is not tables:
-        raise RuntimeError(
-            "DistributedModelParallel did not shard the embeddings in place"
-        )  # torchrec change
+    if dmp.module is not tables:  # a torchrec change: we rely on the in-place swap
+        raise RuntimeError("DistributedModelParallel did not shard the embeddings in place")
     _copy_into_shards(tables, initial)
     handle = SparseSharding(strategy, plan, dmp, group, replicas, infos)
     if replica_pg is not None:
@@ -242,16 +268,67 @@ def shard_embeddings(
     return model
 
 
+def _sharding_env(
+    dims: ParallelDims, plan: ShardingPlan, device: torch.device
+) -> tuple[ShardingEnv, dist.ProcessGroup | None, ShardingPlan]:
+    """TorchRec's environment for this rank, the replica group, and the plan with global ranks.
+
+    1D: the world. 2D: ``ShardingEnv2D``, what ``DMPCollection`` builds (it asserts CUDA; this does not):
+    a ("replicate", "shard") mesh whose row ``r`` is sharding group ``[r, R + r, ...]`` (the sparse mesh of
+    :class:`ParallelDims`, transposed), and the group-local plan remapped to those global ranks.
+    """
+    world, group, replicas = dims._world, dims.sparse_group, dims.sparse_replicas
+    if replicas == 1:
+        return ShardingEnv.from_process_group(dist.group.WORLD), None, plan  # type: ignore[arg-type]
+    layout = torch.arange(world).view(group, replicas).T.contiguous()
+    mesh = DeviceMesh(device.type, layout, mesh_dim_names=("replicate", "shard"))
+    sharding_pg, replica_pg = mesh.get_group("shard"), mesh.get_group("replicate")
+    env = ShardingEnv2D(
+        sharding_pg=sharding_pg,
+        replica_pg=replica_pg,
+        global_pg=dist.group.WORLD,  # type: ignore[arg-type]
+        device_mesh=mesh,
+        node_group_size=dims.ranks_per_host,
+    )
+    return env, replica_pg, _global_plan(plan, dist.get_rank() % replicas, replicas, device)
+
+
+def _global_plan(plan: ShardingPlan, first: int, step: int, device: torch.device) -> ShardingPlan:
+    """``plan`` with group-local rank ``i`` replaced by global rank ``i * step + first`` (as
+    ``DMPCollection._remap_sharding_plan`` does)."""
+    placed = copy.deepcopy(plan)
+    for module_plan in placed.plan.values():
+        for ps in module_plan.values():  # type: ignore[attr-defined]
+            ps.ranks = [r * step + first for r in ps.ranks or []]
+            for shard in ps.sharding_spec.shards if ps.sharding_spec is not None else []:
+                rank = shard.placement.rank() * step + first
+                shard.placement = _remote_device(f"rank:{rank}/{device.type}")
+    return placed
+
+
+def local_pieces(t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """``(offsets, tensor)`` of each local shard of a sharded state-dict entry: a ``ShardedTensor`` (1D) or
+    a ``DTensor`` over a ``LocalShardsWrapper`` (2D, TorchRec's 2D state dict); the tensors are views."""
+    if isinstance(t, ShardedTensor):
+        return [(tuple(s.metadata.shard_offsets), s.tensor) for s in t.local_shards()]
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        if isinstance(local, LocalShardsWrapper):
+            return [(tuple(o), s) for o, s in zip(local.local_offsets(), local.local_shards())]
+        raise TypeError(f"unexpected DTensor local tensor {type(local).__name__}")
+    return []
+
+
 def _copy_into_shards(module: nn.Module, initial: dict[str, torch.Tensor]) -> None:
     """Copy each whole table of ``initial`` into this rank's shards of it (views of the TBE storage)."""
     for key, st in module.state_dict().items():
-        if key not in initial or not isinstance(st, ShardedTensor):
+        if key not in initial:
             continue
         src = initial[key]
         with torch.no_grad():
-            for shard in st.local_shards():
-                (r0, c0), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                shard.tensor.copy_(src[r0 : r0 + rows, c0 : c0 + cols])
+            for offsets, piece in local_pieces(st):
+                index = tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))
+                piece.copy_(src[index])
 
 
 def planned_rank_bytes(handle: SparseSharding) -> list[int]:
