@@ -85,14 +85,42 @@ def _tables_and_ids(model, batches) -> list[Table]:
     ]
 
 
+def _logged_bytes_class():
+    from gem_parallel import CollectiveBytes
+    from gem_parallel.comm_bytes import _nbytes
+
+    class LoggedBytes(CollectiveBytes):
+        """CollectiveBytes that also keeps (kind, bytes, dtype) of every call."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.log: list[tuple[str, int, str]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            entry = self._table.get(func)
+            if entry is not None:
+                kind, arg = entry
+                t = out if arg is None else args[arg]
+                n = _nbytes(t)
+                self.bytes[kind] += n
+                self.calls[kind] += 1
+                first = t[0] if isinstance(t, list | tuple) and t else t
+                self.log.append((kind, n, str(getattr(first, "dtype", "?"))))
+            return out
+
+    return LoggedBytes
+
+
 def _measure_worker(rank: int, world: int, batch: int, config_name: str) -> dict:
     import torch
 
     import gem_model as gm
-    from gem_parallel import CollectiveBytes, ParallelDims
+    from gem_parallel import ParallelDims
     from gem_parallel.sparse import shard_embeddings, sparse_sharding
 
     config = gm.get_config(config_name)
+    _LoggedBytes = _logged_bytes_class()
     out = {}
     for strategy, group in STRATEGIES:
         torch.manual_seed(0)
@@ -100,13 +128,13 @@ def _measure_worker(rank: int, world: int, batch: int, config_name: str) -> dict
         model.init_weights()
         dims = ParallelDims(sparse_group=group)
         batches = [gm.random_batch(config.features, batch, seed=100 * s + rank) for s in range(2)]
-        tables = _tables_and_ids(model, batches)
+        tables = _tables_and_ids(model, batches[1:])  # the ids of the counted step
         shard_embeddings(model, dims, dims.build_sparse_mesh("cpu"), strategy=strategy)
         handle = sparse_sharding(model)
         resident = handle.local_bytes()
         counted = None
         for step, b in enumerate(batches):  # step 0 warms up; step 1 is counted
-            with CollectiveBytes() as cb:
+            with _LoggedBytes() as cb:
                 loss, _ = gm.multitask_loss(model(b), b)
                 loss.backward()
                 handle.step()
@@ -119,6 +147,7 @@ def _measure_worker(rank: int, world: int, batch: int, config_name: str) -> dict
             "after_steps": peak_note,
             "bytes": dict(counted.bytes),
             "calls": dict(counted.calls),
+            "log": counted.log,
             "tables": [t.__dict__ for t in tables],
         }
     return out
@@ -152,6 +181,7 @@ def measure_rows(batch: int, config_name: str) -> list[dict]:
             **{f"{k}_measured": v for k, v in measured.items()},
             **{f"{k}_model": getattr(model, k) for k in kinds},
             "calls": per_rank[0]["calls"],
+            "log_rank0": per_rank[0]["log"],
         })  # fmt: skip
     return rows
 
