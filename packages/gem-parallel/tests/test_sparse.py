@@ -64,11 +64,11 @@ def _run_strategy(
     out["tables"] = H.sharded_table_weights(model, shard_pg)
     out["state"] = H.sharded_state(model, shard_pg)
     if dcp_dir is not None:
-        out["dcp"] = _dcp_round_trip(model, shard_pg, dcp_dir, rank, out["tables"], out["state"])
+        out["dcp"] = _dcp_round_trip(model, shard_pg, dcp_dir, rank)
     return out
 
 
-def _dcp_round_trip(model, shard_pg, path: str, rank: int, tables: dict, state: dict) -> dict[str, float]:
+def _dcp_round_trip(model, shard_pg, path: str, rank: int) -> dict[str, float]:
     """Save weights + fused optimizer state with DCP, train one more step (everything moves), load: the
     loaded tables and accumulators equal the saved ones exactly."""
     import sparse_helpers as H
@@ -79,10 +79,12 @@ def _dcp_round_trip(model, shard_pg, path: str, rank: int, tables: dict, state: 
     handle = sparse_sharding(model)
 
     def state_dicts() -> dict:
-        handle.materialize()
+        handle.prepare_checkpoint()
         return {"tables": model.embeddings.state_dict(), "optim": handle.fused_optimizer.state_dict()}
 
-    dcp.save(state_dicts(), checkpoint_id=path)
+    saved = state_dicts()
+    tables, state = H.sharded_table_weights(model, shard_pg), H.sharded_state(model, shard_pg)
+    dcp.save(saved, checkpoint_id=path)
     loss = model.loss(*H.rank_batch(STEPS, rank))
     loss.backward()
     handle.step()
@@ -238,17 +240,20 @@ def test_sparse_two_ranks(tmp_path):
     _check_dcp([r["1d"] for r in results])
 
 
-def _worker_four(rank: int, world: int) -> dict:
+def _worker_four(rank: int, world: int, dcp_dir: str) -> dict:
     return {
         "1d": _run_strategy(rank, world, "1d", -1, 1),
-        "2d": _run_strategy(rank, world, "2d", 2, 2),
-        "fs2d": _run_strategy(rank, world, "fully_sharded_2d", 2, 1),
+        "2d": _run_strategy(rank, world, "2d", 2, 2, dcp_dir + "/2d"),  # DTensor state dicts, replicas
+        "fs2d": _run_strategy(rank, world, "fully_sharded_2d", 2, 1, dcp_dir + "/fs2d"),
     }
 
 
 @pytest.mark.distributed
-def test_sparse_four_ranks():
-    results = run_distributed(__file__, "_worker_four", world_size=4, timeout_s=240)
+def test_sparse_four_ranks(tmp_path):
+    kwargs = {"dcp_dir": str(tmp_path)}
+    results = run_distributed(__file__, "_worker_four", world_size=4, kwargs=kwargs, timeout_s=240)
     _check_strategy([r["1d"] for r in results], 4, 1, 1)
     _check_strategy([r["2d"] for r in results], 4, 2, 2)
     _check_strategy([r["fs2d"] for r in results], 4, 2, 1, fully_sharded=True)
+    _check_dcp([r["2d"] for r in results])
+    _check_dcp([r["fs2d"] for r in results])

@@ -107,6 +107,12 @@ class SparseSharding:
         if self.fully_sharded is not None:
             self.fully_sharded.gather()
 
+    def prepare_checkpoint(self) -> None:
+        """Call before ``state_dict()`` for a checkpoint: 2D syncs the replicas (DCP writes one copy of each
+        shard, so unsynced replicas would lose their differences); fully sharded 2D gathers the shard."""
+        self.sync()
+        self.materialize()
+
     def local_bytes(self) -> int:
         """Bytes of table weights and row-wise state this rank holds between steps."""
         if self.fully_sharded is not None:
