@@ -117,6 +117,7 @@ class ParallelConfig:
             or "fully_sharded_2d"; None leaves the tables as they are, and FSDP treats them as ordinary
             dense parameters.
         embedding_sync_every: with 2D sharding, steps between weight syncs of the table replicas.
+        embedding_lr / embedding_eps: of the row-wise Adagrad fused into the sharded tables' backward.
     """
 
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -130,6 +131,8 @@ class ParallelConfig:
     precision: Any = None
     embeddings: Literal["1d", "2d", "fully_sharded_2d"] | None = None
     embedding_sync_every: int = 1
+    embedding_lr: float = 0.05
+    embedding_eps: float = 1e-8
 
     def __post_init__(self) -> None:
         owner = "ParallelConfig"
@@ -162,3 +165,7 @@ class ParallelConfig:
         if self.embeddings is not None:
             _check_choice(owner, "embeddings", self.embeddings, EMBEDDING_STRATEGIES)
         _check_int(owner, "embedding_sync_every", self.embedding_sync_every, 1)
+        for name in ("embedding_lr", "embedding_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise ValueError(f"{owner}.{name} must be a float > 0, got {v!r}")

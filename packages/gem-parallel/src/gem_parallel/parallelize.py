@@ -68,7 +68,13 @@ def _shard_sizes(
     return {n: dims.efsdp if any(n.startswith(p) for p in prefixes) else dims.dp_shard for n in names}
 
 
-def _validate(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: ParallelConfig) -> None:
+def _validate(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    sparse_mesh: DeviceMesh | None = None,
+) -> None:
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"parallelize: config must be a ParallelConfig, got {type(config).__name__}")
     layers = getattr(model, "layers", None)
@@ -93,6 +99,14 @@ def _validate(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: Pa
     if config.activation_checkpointing == "budget":
         check_no_dropout(model)
     ignored = _sparse_params(model) if config.embeddings is not None else set()
+    if config.embeddings is not None:
+        # The sparse half checks everything it will need (strategy, groups, mesh, plan) without a collective.
+        from gem_parallel.sparse.shard import check_sharding
+
+        check_sharding(
+            model, dims, sparse_mesh, strategy=config.embeddings, sync_every=config.embedding_sync_every,
+            lr=config.embedding_lr, eps=config.embedding_eps,
+        )  # fmt: skip
     if config.all_gather != "bf16":
         targets = quantized_all_gather_targets(model, config.all_gather_min_numel, ignored)
         names = [n for n, _ in targets]
@@ -123,7 +137,7 @@ def parallelize(
     Raises:
         ValueError / TypeError: a misconfiguration, on every rank, before any collective.
     """
-    _validate(model, dims, mesh, config)
+    _validate(model, dims, mesh, config, sparse_mesh)
     if config.precision is not None:
         from gem_precision import convert
 
@@ -146,6 +160,7 @@ def parallelize(
         from gem_parallel.sparse import shard_embeddings
 
         model = shard_embeddings(
-            model, dims, sparse_mesh, strategy=config.embeddings, sync_every=config.embedding_sync_every
-        )
+            model, dims, sparse_mesh, strategy=config.embeddings, sync_every=config.embedding_sync_every,
+            lr=config.embedding_lr, eps=config.embedding_eps,
+        )  # fmt: skip
     return model
