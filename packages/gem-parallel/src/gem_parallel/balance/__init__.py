@@ -1,0 +1,1 @@
+"""Load balancing of jagged batches (filled in below)."""
