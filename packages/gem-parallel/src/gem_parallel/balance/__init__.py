@@ -16,6 +16,7 @@ from gem_parallel.balance.cost import (
     fit_mix_cost,
     get_cost_model,
 )
+from gem_parallel.balance.global_balancer import ExchangePlan, GlobalBalancer
 from gem_parallel.balance.partition import karmarkar_karp, part_sums, refine_partition
 from gem_parallel.balance.shuffler import POLICIES, BaseBatchShuffler
 
@@ -24,6 +25,8 @@ __all__ = [
     "AttentionCost",
     "BaseBatchShuffler",
     "CostModel",
+    "ExchangePlan",
+    "GlobalBalancer",
     "LinearCost",
     "MixCost",
     "default_cost_file",
