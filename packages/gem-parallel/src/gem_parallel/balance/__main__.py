@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
                                                   "seed", "feedback")})  # fmt: skip
     if any(r < 1 for r in a.ranks):
         ap.error("--ranks must be >= 1")
-    print(f"cost: {cost}", flush=True)
+    if isinstance(cost, MixCost):
+        where = ", ".join(f"{k} {cost.meta[k]}" for k in ("config", "device", "date", "r2") if k in cost.meta)
+        print(f"cost: mix a={cost.a:.4g} b={cost.b:.4g} c={cost.c:.4g} {cost.units} ({where})", flush=True)
+    else:
+        print(f"cost: {cost.name}", flush=True)
     runs = []
     for dist in a.dist:
         res = simulate(

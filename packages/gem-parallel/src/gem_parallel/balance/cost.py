@@ -54,7 +54,10 @@ def total_lengths(lengths: Any) -> torch.Tensor:
 class CostModel(Protocol):
     """What a balancer needs: per-sample costs (additive within a step) and a per-step constant."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """Short name for reports."""
+        ...
 
     def sample_costs(self, lengths: Any) -> torch.Tensor:
         """``[n]`` float64 cost of each sample from ``[n]`` / ``[n, S]`` lengths."""

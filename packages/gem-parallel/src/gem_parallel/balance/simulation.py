@@ -113,7 +113,7 @@ def _sliding(
 def _pooled(cost: CostModel, dist: str, cfg: SimConfig, g: torch.Generator, policy: str) -> torch.Tensor:
     """``[steps, sim_ranks]`` batch costs of a pool policy (``"random"`` included)."""
     r, b, m = cfg.sim_ranks, cfg.batch, cfg.pool_batches
-    out = []
+    out: list[torch.Tensor] = []
     while len(out) < cfg.steps:
         c = _costs(cost, dist, (r, m * b), g)
         lab = plan_pool(c, m, policy, g)
