@@ -2,7 +2,7 @@
 length mixes and fit ``step_ms = a * sum(L) + b * sum(L**2) + c`` (L: a user's merged history length).
 
 Each batch is a ``gem_model.random_batch`` of ``--batch-size`` users whose log-normal history lengths have
-their own median (``max_len / 64`` to ``max_len / 1.5``) and sigma (0.2 to 1.5), so that sum(L) and sum(L**2)
+their own median (``max_len / 64`` to ``max_len / 2.5``) and sigma (0.2 to 1.5), so that sum(L) and sum(L**2)
 vary independently enough to separate a from b. Every batch runs once untimed (kernels compile and
 autotune for its shapes), then ``--repeats`` times timed; its time is the median. The fit (least squares,
 :func:`gem_parallel.balance.fit_mix_cost`), its R**2 and every measured point go to
@@ -57,7 +57,7 @@ def _mixes(n: int, seed: int) -> list[tuple[float, float]]:
     out = []
     for i in range(n):
         frac = math.exp(
-            math.log(1 / 64) + (math.log(1 / 1.5) - math.log(1 / 64)) * ((i * 7) % n) / max(n - 1, 1)
+            math.log(1 / 64) + (math.log(1 / 2.5) - math.log(1 / 64)) * ((i * 7) % n) / max(n - 1, 1)
         )
         sigma = 0.2 + 1.3 * float(torch.rand(1, generator=g))
         out.append((frac, sigma))
@@ -72,6 +72,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per batch (median)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        default=200.0,
+        help="stop measuring new batches after this long; the fit uses what was measured",
+    )
     ap.add_argument("--out", required=True, help="directory for the fitted JSON")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -93,15 +99,24 @@ def main() -> None:
             config.features, args.batch_size, seed=args.seed * 1000 + i,
             length_median=max(frac * max_len, 1.0), length_sigma=sigma,
         ).to(device)  # fmt: skip
+        if time.perf_counter() - t_start > args.max_seconds:
+            print(f"stopping after {len(points)} batches: --max-seconds {args.max_seconds:.0f} passed")
+            break
         lengths = _merged_lengths(batch)
-        _step(model, batch, device)  # compile / autotune for these shapes, untimed
-        times = []
-        for _ in range(args.repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            _step(model, batch, device)
-            _sync(device)
-            times.append((time.perf_counter() - t0) * 1e3)
+        try:
+            _step(model, batch, device)  # compile / autotune for these shapes, untimed
+            times = []
+            for _ in range(args.repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                _step(model, batch, device)
+                _sync(device)
+                times.append((time.perf_counter() - t0) * 1e3)
+        except torch.OutOfMemoryError:  # a heavy mix that does not fit: skip it, keep the others
+            print(f"| {i} | {frac * max_len:.0f} | {sigma:.2f} | out of memory: skipped |")
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            continue
         ms = statistics.median(times)
         s1, s2 = float(lengths.sum()), float(lengths.square().sum())
         points.append({"sum_len": s1, "sum_len2": s2, "ms": ms, "median": frac * max_len, "sigma": sigma})
