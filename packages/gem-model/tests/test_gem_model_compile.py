@@ -3,9 +3,9 @@
 In the default run with the ``aot_eager`` backend: dynamo traces the whole model in one graph (the batch's
 KJTs carry their per-key lengths on the host, so TorchRec's ``to_dict`` does not break the graph on
 ``.tolist()``; it broke it into 5 graphs before) and AOTAutograd builds the joint forward/backward graphs
-through the ops' fake implementations, so a change that breaks tracing fails CI; measured 33 s wall
-(18 s CPU, half of it imports) on the loaded 2-core machine. The same test with inductor (C++ code
-generation for every graph) took 217 s wall / 87 s CPU there: it is marked slow, as is the per-layer compile of larger configs.
+through the ops' fake implementations, so a change that breaks tracing fails CI; measured 33 s wall (18 s CPU,
+half of it imports) on the loaded 2-core machine. The same test with inductor (C++ code generation for every
+graph) took 217 s wall / 87 s CPU there: it is marked slow, as is the per-layer compile of larger configs.
 """
 
 from __future__ import annotations
