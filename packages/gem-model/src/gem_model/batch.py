@@ -110,6 +110,11 @@ class JaggedSequence:
             offsets, self.max_len, self.item_ids[rows], self.action_ids[rows], self.timestamps[rows]
         )
 
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Marks every tensor as used on ``stream`` (for batches copied on a side stream)."""
+        for t in (self.offsets, self.item_ids, self.action_ids, self.timestamps):
+            t.record_stream(stream)
+
     def pin_memory(self) -> JaggedSequence:
         return JaggedSequence(
             offsets=self.offsets.pin_memory(),
@@ -184,6 +189,19 @@ class GemBatch:
             labels=self.labels[idx],
             label_mask=self.label_mask[idx],
         )
+
+    def is_pinned(self) -> bool:
+        """Whether the batch is in page-locked host memory (checked on the dense features)."""
+        return bool(self.dense.is_pinned())
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Marks every tensor as used on ``stream``, so the caching allocator does not reuse the memory of a
+        batch copied on a side stream before ``stream``'s work on it is done."""
+        for t in (self.dense, self.request_time, self.labels, self.label_mask):
+            t.record_stream(stream)
+        self.sparse.record_stream(stream)
+        for seq in self.sequences.values():
+            seq.record_stream(stream)
 
     def pin_memory(self) -> GemBatch:
         """Returns a copy in page-locked host memory (for ``to(cuda, non_blocking=True)``)."""
