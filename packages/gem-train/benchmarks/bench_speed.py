@@ -13,6 +13,8 @@ dynamic, caches in ``$GEM_COMPILE_CACHE`` or ``~/.cache/gem/compile``), then
   examples/s, model TFLOP/s (``gem_model.flops``), MFU against the datasheet dense bf16 peak of the device
   (``gem_train.mfu.PEAK_FLOPS``; FP8 runs against the same bf16 peak) and against the bf16 GEMM ceiling
   measured here (8192^3), peak memory;
+- the same steps fed from pinned host batches through :class:`gem_train.prefetch.DevicePrefetcher` (copies one
+  step ahead on a side stream), as the training loop gets them: its step time against the resident batches';
 - a profile of ``--profile-steps`` steps: the share of GPU time by kernel kind (GEMM, FP8 quantization,
   attention, inductor-fused, embeddings, copies, other).
 
@@ -44,6 +46,7 @@ from gem_train.config import SHIPPED_CONFIGS, TrainConfig, load_config
 from gem_train.mfu import MFU_BASIS, device_peak_flops, measure_gemm_ceiling
 from gem_train.model_factory import build_model
 from gem_train.optim import build_optimizers
+from gem_train.prefetch import DevicePrefetcher
 from gem_train.trainer import build_source, init_distributed, multitask_loss
 
 ALIASES = {"tiny": "tiny-cpu"}
@@ -109,7 +112,9 @@ def run_recipe(
     tasks = tuple(args.spec.tasks)
 
     def step(i: int) -> None:
-        batch = batches[i % len(batches)]
+        step_on(batches[i % len(batches)])
+
+    def step_on(batch: Any) -> None:
         with ctx():
             logits = train_model(batch)
         loss = multitask_loss(logits, batch, tasks)
@@ -172,6 +177,18 @@ def run_recipe(
             out["mfu_of_measured_bf16_gemm"] = f / mean_s / args.gemm_ceiling
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if args.prefetch_steps > 0:
+        # As the training loop gets them: host batches (pinned), copied one step ahead on a side stream.
+        pinned = [lb.batch.pin_memory() if device.type == "cuda" else lb.batch for lb in host]
+        items = (pinned[i % len(pinned)] for i in range(args.prefetch_steps))
+        _sync(device)
+        t2 = time.perf_counter()
+        for _, batch in DevicePrefetcher(items, device):
+            step_on(batch)
+        _sync(device)
+        out["step_ms_prefetched"] = 1e3 * (time.perf_counter() - t2) / args.prefetch_steps
+        out["prefetched_over_resident_rate"] = out["step_ms_mean"] / out["step_ms_prefetched"]
+        out["graphs_compiled_in_steady"] = compile_counters()["frames_ok"] - after_warmup["frames_ok"]
     if args.profile_steps > 0:
         out["profile"] = profile(step, args.profile_steps, device)
     return out
@@ -218,6 +235,10 @@ def _table(results: dict[str, Any]) -> str:
         ),
         ("graph breaks", lambda r: str(r["graph_breaks"])),
         ("step ms (mean)", lambda r: f"{r['step_ms_mean']:.1f}"),
+        (
+            "step ms, batches prefetched from host",
+            lambda r: f"{r.get('step_ms_prefetched', float('nan')):.1f}",
+        ),
         ("examples/s", lambda r: f"{r['examples_per_s']:,.0f}"),
         ("model TFLOP/s", lambda r: f"{r.get('model_tflops_per_s', float('nan')):.1f}"),
         ("MFU of datasheet bf16 peak", lambda r: _pct(r.get("mfu_datasheet"))),
@@ -262,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-steps", type=int, default=None, help="profiled steps (default 4 on CUDA, 0 on CPU)"
     )
     p.add_argument(
+        "--prefetch-steps",
+        type=int,
+        default=None,
+        help="steps fed from host batches by DevicePrefetcher (default: --steps)",
+    )
+    p.add_argument(
         "--eager", action="store_true", help="do not compile (else compiled, whatever train.compile)"
     )
     p.add_argument(
@@ -282,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     base = _load(args.config, args.overrides)
     d = init_distributed(base.run.device, base.run.cpu_threads)
     device = d.device
+    if args.prefetch_steps is None:
+        args.prefetch_steps = args.steps
     if args.profile_steps is None:
         args.profile_steps = 4 if device.type == "cuda" else 0
     args.out.mkdir(parents=True, exist_ok=True)

@@ -43,4 +43,5 @@ def test_bench_speed_tiny_cpu(tmp_path):
         assert r["compiled"] and r["graphs_compiled_in_warmup"] >= 1
         assert r["graphs_compiled_in_steady"] == 0 and r["graph_breaks"] == 0
         assert r["step_ms_mean"] > 0 and r["warmup_s"] >= r["first_step_s"] > 0
+        assert r["step_ms_prefetched"] > 0  # the steps fed by DevicePrefetcher ran too
     assert "bf16" in data["mfu_basis"] and data["gemm_ceiling_tflops"]["bf16"] > 0
