@@ -168,3 +168,33 @@ def test_compiles_once_for_any_token_count():
             assert torch.equal(a, b), tokens
     assert counter.frame_count == 1
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_shapes_scaled_mm_refuses_run():
+    """On the GPU: the shapes ``torch._scaled_mm`` refuses (K = 4 seeds, K = 37 tokens, N = 40) run, padded
+    K matches the CPU emulation, and the PMA-like layer (4 rows, 512 -> 512) equals its bf16 run."""
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev) < (8, 9):
+        pytest.skip("torch._scaled_mm needs sm89+")
+    dy, x = torch.randn(37, 48, device=dev), torch.randn(37, 64, device=dev)
+    got = fp8_rowwise_mm(dy, x, a_t=True, b_t=True, out_dtype=torch.float32)
+    want = fp8_rowwise_mm(dy.cpu(), x.cpu(), a_t=True, b_t=True, out_dtype=torch.float32)
+    # Same quantized operands up to a rounding-midpoint flip (see _triton_interpret_checks), fp32 sums.
+    assert ((got.cpu() - want).norm() / want.norm()) < 1e-2
+    lin = _layer(512, 512, seed=0).to(dev)
+    xs = torch.randn(4, 512, device=dev, dtype=torch.bfloat16)
+    gs = torch.randn(4, 512, device=dev, dtype=torch.bfloat16)
+    for a, b in zip(_run(lin.layer_recipe, lin, xs, gs), _run(Recipe.bf16(), lin, xs, gs)):
+        assert torch.equal(a, b)
+    odd = _layer(20, 36, seed=1).to(dev)
+    y = odd(torch.randn(37, 20, device=dev, dtype=torch.bfloat16, requires_grad=True))
+    y.float().sum().backward()
+    assert odd.weight.grad is not None
+    # A model-sized token count (not a multiple of 16) through a layer that stays FP8 on all three GEMMs.
+    big = _layer(512, 1024, seed=2).to(dev)
+    xb = torch.randn(3001, 512, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    yb = big(xb)
+    yb.float().square().mean().backward()
+    assert torch.isfinite(big.weight.grad).all() and torch.isfinite(xb.grad).all()
