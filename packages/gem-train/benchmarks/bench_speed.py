@@ -52,17 +52,20 @@ from gem_train.trainer import build_source, init_distributed, multitask_loss
 ALIASES = {"tiny": "tiny-cpu"}
 
 # Kernel name substrings -> kind (first match wins; lower-cased names).
+_QUANT = ("_rowwise_kernel", "_col_amax", "_col_quant", "_to_mx", "_dequant", "_block_quant")
+_GEMM = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "matmul", "scaled_mm", "f8f8", "_mx_mm")
+_ATTENTION = ("_fwd_kernel", "_dq_kernel", "_dkdv_kernel", "_fwd_short_kv", "_bwd_short_kv", "_bwd_few_q",
+              "_block_attention", "attention", "gdpa")  # fmt: skip
+_EAGER = ("elementwise", "reduce", "vectorized", "index", "scatter", "gather")
 KERNEL_KINDS: list[tuple[str, tuple[str, ...]]] = [
-    ("fp8 quantization", ("_rowwise_kernel", "_col_amax", "_col_quant")),
-    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "matmul", "scaled_mm", "f8f8")),
-    ("attention (gem_kernels)", ("_fwd_", "_dq_", "_dkdv", "_bwd_", "attention", "gdpa", "block_attn")),
+    ("fp8 / mx quantization", _QUANT),
+    ("gemm", _GEMM),
+    ("attention (gem_kernels)", _ATTENTION),
+    ("jagged / rotary (gem_kernels)", ("_rotary_kernel", "_jagged_", "_padded_to_jagged")),
     ("inductor fused", ("triton_poi", "triton_red", "triton_per", "triton_tem", "triton_")),
     ("embeddings", ("embedding", "fbgemm", "split_", "batched_unary")),
     ("copies / memset", ("memcpy", "memset", "copy", "fill")),
-    (
-        "reductions / elementwise (eager)",
-        ("elementwise", "reduce", "vectorized", "index", "scatter", "gather"),
-    ),
+    ("reductions / elementwise (eager)", _EAGER),
 ]
 
 
