@@ -9,7 +9,8 @@ dynamic, caches in ``$GEM_COMPILE_CACHE`` or ``~/.cache/gem/compile``), then
   the warm-up from a warm cache;
 - recompiles: dynamo's frame counters during the warm-up (graphs compiled) and during the timed steps (must be
   0: every batch has new sizes);
-- steady state: ``--steps`` steps cycling those batches (no host sync inside; one at the end): ms/step,
+- steady state: ``--steps`` steps of the trainer's own step (:meth:`gem_train.run.Run.train_step`, with
+  its one host sync for the loss and gradient norm) cycling those batches: ms/step,
   examples/s, model TFLOP/s (``gem_model.flops``), MFU against the datasheet dense bf16 peak of the device
   (``gem_train.mfu.PEAK_FLOPS``; FP8 runs against the same bf16 peak) and against the bf16 GEMM ceiling
   measured here (8192^3), peak memory;
@@ -29,7 +30,6 @@ check of the plumbing, not a measurement.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -43,11 +43,10 @@ import torch
 
 from gem_train.compile import apply_compile, compile_cache_dir, compile_counters
 from gem_train.config import SHIPPED_CONFIGS, TrainConfig, load_config
+from gem_train.distributed import init_distributed
 from gem_train.mfu import MFU_BASIS, device_peak_flops, measure_gemm_ceiling
-from gem_train.model_factory import build_model
-from gem_train.optim import build_optimizers
 from gem_train.prefetch import DevicePrefetcher
-from gem_train.trainer import build_source, init_distributed, multitask_loss
+from gem_train.run import build_run, build_source
 
 ALIASES = {"tiny": "tiny-cpu"}
 
@@ -99,34 +98,25 @@ def run_recipe(
     """Warm-up, recompiles, steady state and profile of one recipe (``host``: LoadedBatch list; ``cfg`` has
     the recipe's ``precision`` section)."""
     torch._dynamo.reset()
-    torch.manual_seed(cfg.run.seed)
-    built = build_model(cfg.model, args.spec, device, cfg.run.seed, cfg.precision)
-    model = built.model
-    opts = build_optimizers(list(model.dense_parameters()), list(model.sparse_parameters()), cfg.optim)
-    dense = list(model.dense_parameters())
+    run = build_run(cfg)  # the trainer's own run: model, recipe, optimizers, autocast (compile: below)
     compiled = not args.eager  # compiled whatever the config says: the issue's measurement
     backend = args.backend or ("inductor" if device.type == "cuda" else "aot_eager")
     dynamic = {"true": True, "auto": None}[args.dynamic]
-    train_model = apply_compile(model, backend=backend, dynamic=dynamic) if compiled else model
-    use_bf16 = cfg.train.autocast == "bf16" or (cfg.train.autocast == "auto" and device.type == "cuda")
-    ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+    if compiled:  # as build_run does with train.compile (one process: no DDP wrapper), backend chosen here
+        run.train_model = apply_compile(run.train_model, backend=backend, dynamic=dynamic)
+    use_bf16 = run.autocast_dtype == torch.bfloat16
     batches = [lb.batch.to(device) for lb in host]
-    flops = [built.flops(lb.batch) for lb in host] if built.flops else None
-    tasks = tuple(args.spec.tasks)
+    flops = [run.built.flops(lb.batch) for lb in host] if run.built.flops else None
+    model = run.model
+    counter = [0]
 
     def step(i: int) -> None:
         step_on(batches[i % len(batches)])
 
     def step_on(batch: Any) -> None:
-        with ctx():
-            logits = train_model(batch)
-        loss = multitask_loss(logits, batch, tasks)
-        loss.backward()
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(dense, cfg.optim.grad_clip)
-        for o in opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
+        # Run.train_step: lr, forward, loss, backward, clipping, optimizers, and its one host sync.
+        run.train_step(batch, counter[0])
+        counter[0] += 1
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -152,7 +142,7 @@ def run_recipe(
     wall = time.perf_counter() - t1
     after_steady = compile_counters()
     mean_s = wall / args.steps
-    peak = device_peak_flops(device, cfg.train.peak_flops)
+    peak = run.peak_flops
     out: dict[str, Any] = {
         "recipe": recipe,
         "compiled": compiled,
@@ -349,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     for recipe in [r.strip() for r in args.recipes.split(",") if r.strip()]:
         conversion = "none" if recipe == "bf16" else recipe
         try:
-            cfg = _load(args.config, [*args.overrides, f"precision.recipe={conversion}"])
+            cfg = _load(
+                args.config, [*args.overrides, f"precision.recipe={conversion}", "train.compile=false"]
+            )
             results["recipes"][recipe] = run_recipe(cfg, recipe, host, args, device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the recipe's model and optimizer state are gone

@@ -66,12 +66,17 @@ class FSDPConfig:
             keeps them until backward (ZeRO-2: one all-gather per step, more memory).
         prefetch: layers whose all-gather is issued ahead, in forward (next layers) and backward (previous
             layers), beyond FSDP2's implicit one; 0 leaves FSDP2's default.
+        wrap_single_rank: apply ``fully_shard`` even when the dense mesh has one rank. Off by default, as in
+            torchtitan (FSDP only when the shard degree is > 1): on one rank there is nothing to shard or
+            reduce, and FSDP2's per-parameter hooks and copies cost +21-28% step time on ``base`` (one H200,
+            eager, host-bound: see gem-parallel's BENCHMARKS.md). On for benchmarks of FSDP itself.
     """
 
     param_dtype: torch.dtype | str | None = None
     reduce_dtype: torch.dtype | str | None = torch.float32
     reshard_after_forward: bool = True
     prefetch: int = 1
+    wrap_single_rank: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _as_dtype("FSDPConfig", "param_dtype", self.param_dtype))
@@ -81,6 +86,8 @@ class FSDPConfig:
                 f"FSDPConfig.reshard_after_forward must be a bool, got {self.reshard_after_forward!r}"
             )
         _check_int("FSDPConfig", "prefetch", self.prefetch, 0)
+        if not isinstance(self.wrap_single_rank, bool):
+            raise ValueError(f"FSDPConfig.wrap_single_rank must be a bool, got {self.wrap_single_rank!r}")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from gem_train.config import SHIPPED_CONFIGS, ConfigError, TrainConfig, load_con
 from gem_train.data.loader import BatchSource, LoadedBatch, make_eval_loader, make_train_loader
 from gem_train.data.movielens import MovieLens100K, MovieLensFormatError, fetch_movielens_100k
 from gem_train.data.synthetic import SyntheticAds
+from gem_train.evaluation import EvalResult, evaluate_model, selection_value
 from gem_train.metrics import (
     BinaryMetrics,
     auc,
@@ -32,15 +33,9 @@ from gem_train.metrics import (
 from gem_train.mfu import PEAK_FLOPS, device_peak_flops
 from gem_train.model_factory import build_gem_config, build_model
 from gem_train.optim import RowWiseAdagrad, build_optimizers, lr_factor
+from gem_train.run import Run, build_run
 from gem_train.run_dir import RunDir
-from gem_train.trainer import (
-    EvalResult,
-    NonFiniteLossError,
-    Trainer,
-    TrainResult,
-    evaluate_model,
-    selection_value,
-)
+from gem_train.trainer import NonFiniteLossError, Trainer, TrainResult
 
 __version__ = "0.1.0"
 
@@ -58,6 +53,7 @@ __all__ = [
     "MovieLensFormatError",
     "NonFiniteLossError",
     "RowWiseAdagrad",
+    "Run",
     "RunDir",
     "SyntheticAds",
     "TrainConfig",
@@ -69,6 +65,7 @@ __all__ = [
     "build_gem_config",
     "build_model",
     "build_optimizers",
+    "build_run",
     "calibration",
     "device_peak_flops",
     "evaluate_model",

@@ -90,9 +90,10 @@ def configure_compile_cache(path: str | os.PathLike[str] | None = None) -> Path:
     Call before the first compiled step. Sets (unless already set in the environment)
     ``TORCHINDUCTOR_CACHE_DIR`` (``<dir>/inductor``: FX graph cache, autotuning of inductor's GEMM and
     pointwise kernels) and ``TRITON_CACHE_DIR`` (``<dir>/triton``: compiled kernels and autotuning results),
-    turns on inductor's local FX graph and autotune caches and Triton's on-disk autotuning cache. Triton
-    reads ``TRITON_CACHE_AUTOTUNING`` when an autotuner is created (gem_kernels creates them on import), so
-    the autotuners already created in ``gem_kernels`` modules are switched to caching here too.
+    turns on inductor's local FX graph and autotune caches and Triton's on-disk autotuning cache
+    (``TRITON_CACHE_AUTOTUNING=1``). Triton reads that variable when an autotuner is created (gem_kernels
+    creates them on import), so the autotuners already created in ``gem_kernels`` modules are switched to
+    caching here too.
     """
     root = compile_cache_dir(path)
     root.mkdir(parents=True, exist_ok=True)
@@ -108,19 +109,19 @@ def configure_compile_cache(path: str | os.PathLike[str] | None = None) -> Path:
 
 
 def _cache_triton_autotuning() -> None:
-    try:
-        from triton import knobs
-        from triton.runtime.autotuner import Autotuner
-    except ImportError:  # no Triton (or one without knobs): nothing to persist
+    """Switch on the on-disk cache of the Triton autotuners that ``gem_kernels`` modules already created.
+
+    Duck-typed (gem-train does not depend on Triton itself): any module-level object of a class named
+    ``Autotuner`` with a ``cache_results`` flag. Under the interpreter Triton never caches (its own rule).
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return
-    knobs.autotuning.cache = True
     for name, module in list(sys.modules.items()):
         if not name.startswith("gem_kernels") or module is None:
             continue
         for value in vars(module).values():
-            if isinstance(value, Autotuner) and hasattr(value, "cache_results"):
-                # The interpreter cannot time kernels for the cache (Triton's own rule).
-                value.cache_results = not knobs.runtime.interpret
+            if type(value).__name__ == "Autotuner" and hasattr(value, "cache_results"):
+                value.cache_results = True
 
 
 def compile_counters() -> dict[str, int]:
