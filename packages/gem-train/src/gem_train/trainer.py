@@ -32,6 +32,7 @@ from gem_train.data.loader import make_train_loader
 from gem_train.data.split import HeldOutSplit
 from gem_train.evaluation import EvalResult, EvaluationInterrupted, evaluate_model
 from gem_train.logger import MetricsLogger, truncate_metrics
+from gem_train.prefetch import DevicePrefetcher
 from gem_train.report import write_final
 from gem_train.run import Run, build_run
 from gem_train.run_dir import RunDir, create_run_dir, resolve_resume
@@ -260,14 +261,14 @@ class Trainer:
         window = TrainWindow(self.tasks, self.device)
         count_flops = r.built.flops if self.device.type == "cuda" else None
         try:
-            it = iter(loader)
+            # Batches pinned by the loader, copied one step ahead on a side stream (gem_train.prefetch).
+            it = DevicePrefetcher(loader, self.device, select=lambda lb: lb.batch)
             if self._should_stop():
                 status = "interrupted"
             while status == "completed" and step < total:
-                lb = next(it)
+                lb, batch = next(it)  # lb.batch on the host, batch on the device
                 if count_flops is not None:
-                    window.flops += count_flops(lb.batch)  # host-side count, before the copy
-                batch = lb.batch.to(self.device, non_blocking=True)
+                    window.flops += count_flops(lb.batch)  # host-side count
                 out = r.train_step(batch, step)
                 step += 1
                 bar.update(1)
