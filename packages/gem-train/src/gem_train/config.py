@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gem_train.data.parquet.config import ParquetConfig  # [data.parquet] (issue 17)
+
 __all__ = [
     "SHIPPED_CONFIGS",
     "BaselineConfig",
@@ -45,7 +47,7 @@ __all__ = [
     "parse_override",
 ]
 
-SHIPPED_CONFIGS: tuple[str, ...] = ("tiny-cpu", "movielens", "base-h200")
+SHIPPED_CONFIGS: tuple[str, ...] = ("tiny-cpu", "movielens", "base-h200", "movielens-parquet")
 
 
 class ConfigError(ValueError):
@@ -240,12 +242,13 @@ class MovieLensConfig:
 class DataConfig:
     """Which dataset, batch sizes, loader workers."""
 
-    source: Literal["synthetic", "movielens-100k"] = "synthetic"
+    source: Literal["synthetic", "movielens-100k", "parquet"] = "synthetic"
     batch_size: int = 256
     eval_batch_size: int = 1024
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the main process)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     movielens: MovieLensConfig = field(default_factory=MovieLensConfig)
+    parquet: ParquetConfig = field(default_factory=ParquetConfig)  # your own Parquet files
 
     def validate(self, key: str = "data") -> None:
         _int_in(f"{key}.batch_size", self.batch_size, 1)
@@ -253,6 +256,7 @@ class DataConfig:
         _int_in(f"{key}.num_workers", self.num_workers, 0, 256)
         self.synthetic.validate(f"{key}.synthetic")
         self.movielens.validate(f"{key}.movielens")
+        self.parquet.validate(f"{key}.parquet", required=self.source == "parquet")
 
 
 @dataclass

@@ -166,9 +166,19 @@ def build_source(cfg: TrainConfig) -> BatchSource:
         from gem_train.data.synthetic import SyntheticAds
 
         return SyntheticAds(cfg.data.synthetic, seed=cfg.run.seed)
+    if cfg.data.source == "parquet":  # your own files (issue 17)
+        from gem_train.data.parquet.reader import ParquetSource
+
+        return ParquetSource(cfg.data.parquet, seed=cfg.run.seed)
     from gem_train.data.movielens import MovieLens100K
 
     return MovieLens100K(cfg.data.movielens, seed=cfg.run.seed)
+
+
+def _data_stream_state(source: BatchSource, world_size: int, num_workers: int) -> dict[str, Any]:
+    """``{"data_stream": ...}`` for a source whose position needs its layout (gem_train.data.parquet)."""
+    state = getattr(source, "stream_state", None)
+    return {"data_stream": state(world_size, num_workers)} if state is not None else {}
 
 
 def multitask_loss(logits: dict[str, Tensor], batch: GemBatch, tasks: tuple[str, ...]) -> Tensor:
@@ -439,6 +449,8 @@ class Trainer:
         self.skipped = 0
         if self.resume_from is not None:
             state = load_checkpoint(self.resume_from, self.model, self.optimizers)
+            if hasattr(self.source, "check_resume"):  # a streamed position needs the same layout
+                self.source.check_resume(state, self.dist.world_size, cfg.data.num_workers)
             self.start_step = int(state["step"])
             self.skipped = int(state.get("skipped_batches", 0))
             if self.dist.is_main:
@@ -485,11 +497,10 @@ class Trainer:
                 f"({', '.join(self.tasks)}) nor 'mean'"
             )
         if t.valid_every and not self.source.num_batches("valid", self.cfg.data.eval_batch_size):
-            key = (
-                "data.movielens.valid_fraction"
-                if self.cfg.data.source == "movielens-100k"
-                else "data.synthetic.valid_examples"
-            )
+            key = {
+                "movielens-100k": "data.movielens.valid_fraction",
+                "parquet": "data.parquet.valid (files)",
+            }.get(self.cfg.data.source, "data.synthetic.valid_examples")
             raise ConfigError(
                 f"train.valid_every = {t.valid_every} needs a validation split, but the dataset has none "
                 f"(set {key} > 0, or train.valid_every = 0)"
@@ -564,6 +575,7 @@ class Trainer:
             "data_position": step,  # batches consumed by each rank
             "skipped_batches": self.skipped,
             "saved_at": _dt.datetime.now(_dt.UTC).isoformat(),
+            **_data_stream_state(self.source, self.dist.world_size, self.cfg.data.num_workers),
         }
 
     def save(self, step: int) -> Path:
@@ -924,6 +936,8 @@ class Trainer:
                 "ground_truth_ne": best.ground_truth_ne,
                 "checkpoint": str(found) if found else None,
             }
+        if getattr(self.source, "bad_rows", None):  # data.on_bad_row = "skip": what this rank left out
+            summary["skipped_bad_rows"] = dict(self.source.bad_rows)  # type: ignore[attr-defined]
         self.run.eval_summary.write_text(json.dumps(summary, indent=2), encoding="utf-8")
         rows = read_metrics(self.run.metrics)
         plot_curves(rows, self.run.plots, self.tasks)
