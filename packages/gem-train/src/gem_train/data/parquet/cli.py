@@ -24,7 +24,7 @@ def add_parsers(dsub: argparse._SubParsersAction, cfg_help: str, ov_help: str) -
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.add_argument("overrides", nargs="*", help=ov_help)
     ex = dsub.add_parser("export", help="write a built-in dataset as Parquet files")
-    ex.add_argument("dataset", choices=("movielens-100k",))
+    ex.add_argument("export_dataset", metavar="dataset", choices=("movielens-100k",))
     out_help = f"output directory (default {DEFAULT_MOVIELENS_DIR}: what movielens-parquet reads)"
     ex.add_argument("out", nargs="?", default=DEFAULT_MOVIELENS_DIR, help=out_help)
     ex.add_argument("--format", choices=("parquet",), default="parquet")

@@ -255,9 +255,8 @@ class Converter:
             y = arr.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float32)
             not01 = (y != 0) & (y != 1)
             if not01.any():
-                mark(
-                    not01, f"label {column!r} (task {task!r}) is {y[np.flatnonzero(not01)[0]]!r}, not 0 or 1"
-                )
+                value = float(y[np.flatnonzero(not01)[0]])
+                mark(not01, f"label {column!r} (task {task!r}) is {value!r}, not 0 or 1")
             labels[:, j] = y
         return Block(n, dense, sparse, sequences, request_time, labels, mask, bad, prov, reasons)
 
