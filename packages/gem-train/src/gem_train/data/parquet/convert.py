@@ -47,6 +47,24 @@ class Jagged:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def slice(self, lo: int, hi: int) -> Jagged:
+        """Rows ``[lo, hi)`` (views)."""
+        a, z = int(self.offsets[lo]), int(self.offsets[hi])
+        return Jagged(self.offsets[lo : hi + 1] - a, [v[a:z] for v in self.values])
+
+    def take(self, idx: np.ndarray) -> Jagged:
+        """Rows ``idx`` in that order (a gather: new, writable arrays)."""
+        lengths = self.lengths()[idx]
+        off = np.zeros(len(idx) + 1, np.int64)
+        np.cumsum(lengths, out=off[1:])
+        flat = np.repeat(self.offsets[:-1][idx] - off[:-1], lengths) + np.arange(int(off[-1]), dtype=np.int64)
+        return Jagged(off, [v[flat] for v in self.values])
+
+    @staticmethod
+    def concat(a: Jagged, b: Jagged) -> Jagged:
+        off = np.concatenate([a.offsets, b.offsets[1:] + a.offsets[-1]])
+        return Jagged(off, [np.concatenate([x, y]) for x, y in zip(a.values, b.values)])
+
 
 @dataclass
 class Block:
@@ -63,6 +81,61 @@ class Block:
     prov: Provenance
     reasons: dict[int, str] = field(default_factory=dict)  # row -> what was wrong (bad rows)
 
+    def slice(self, lo: int, hi: int) -> Block:
+        """Rows ``[lo, hi)`` (views where possible)."""
+        return Block(
+            hi - lo,
+            self.dense[lo:hi],
+            [j.slice(lo, hi) for j in self.sparse],
+            [j.slice(lo, hi) for j in self.sequences],
+            self.request_time[lo:hi],
+            self.labels[lo:hi],
+            self.label_mask[lo:hi],
+            self.bad[lo:hi],
+            Provenance(self.prov.file[lo:hi], self.prov.row_group[lo:hi], self.prov.row[lo:hi]),
+            {k - lo: v for k, v in self.reasons.items() if lo <= k < hi},
+        )
+
+    def take(self, idx: np.ndarray) -> Block:
+        """Rows ``idx`` in that order (the shuffle: one gather of every column)."""
+        new_pos = {}
+        if self.reasons:
+            inv = np.empty(self.n, np.int64)
+            inv[idx] = np.arange(len(idx))
+            new_pos = {k: int(inv[k]) for k in self.reasons}
+        return Block(
+            len(idx),
+            self.dense[idx],
+            [j.take(idx) for j in self.sparse],
+            [j.take(idx) for j in self.sequences],
+            self.request_time[idx],
+            self.labels[idx],
+            self.label_mask[idx],
+            self.bad[idx],
+            self.prov.take(idx),
+            {new_pos[k]: v for k, v in self.reasons.items()},
+        )
+
+    @staticmethod
+    def concat(a: Block, b: Block) -> Block:
+        cat = np.concatenate
+        return Block(
+            a.n + b.n,
+            cat([a.dense, b.dense]),
+            [Jagged.concat(x, y) for x, y in zip(a.sparse, b.sparse)],
+            [Jagged.concat(x, y) for x, y in zip(a.sequences, b.sequences)],
+            cat([a.request_time, b.request_time]),
+            cat([a.labels, b.labels]),
+            cat([a.label_mask, b.label_mask]),
+            cat([a.bad, b.bad]),
+            Provenance(
+                cat([a.prov.file, b.prov.file]),
+                cat([a.prov.row_group, b.prov.row_group]),
+                cat([a.prov.row, b.prov.row]),
+            ),
+            {**a.reasons, **{k + a.n: v for k, v in b.reasons.items()}},
+        )
+
 
 def _flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, bool]:
     """A list array's ``(offsets [n+1], flat values, any null element)``; a null list is empty."""
@@ -72,7 +145,7 @@ def _flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, bool]:
     values = (flat.fill_null(0) if has_null else flat).to_numpy(zero_copy_only=False)
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return offsets, values.astype(np.int64), has_null  # a writable copy (Arrow's is read-only)
+    return offsets, values.astype(np.int64, copy=False), has_null  # may be Arrow's read-only memory
 
 
 def _owner(offsets: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -269,17 +342,15 @@ class Converter:
         if n_bad:
             keep = lo + np.flatnonzero(~block.bad[lo:hi])
         b = hi - lo - n_bad
-        t = torch.from_numpy
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            # A batch owns its memory: a block's arrays (views of Arrow's read-only buffers, or shared by the
+            # block's batches) are copied; arrays made for this batch alone are taken as they are.
+            return torch.from_numpy(a if a.flags.writeable and a.flags.owndata else np.array(a, copy=True))
 
         def rows(j: Jagged) -> tuple[np.ndarray, list[np.ndarray]]:
-            if keep is None:
-                a, z = int(j.offsets[lo]), int(j.offsets[hi])
-                return j.offsets[lo : hi + 1] - a, [v[a:z] for v in j.values]
-            lengths = j.lengths()[keep]
-            off = np.zeros(len(keep) + 1, np.int64)
-            np.cumsum(lengths, out=off[1:])
-            idx = np.repeat(j.offsets[keep] - off[:-1], lengths) + np.arange(int(off[-1]), dtype=np.int64)
-            return off, [v[idx] for v in j.values]
+            part = j.slice(lo, hi) if keep is None else j.take(keep)
+            return part.offsets, part.values
 
         sel = slice(lo, hi) if keep is None else keep
         values, lengths = [], []
@@ -298,17 +369,17 @@ class Converter:
             off, (items, acts, ts) = rows(j)
             longest = int(np.diff(off).max()) if b else 0
             sequences[s.name] = JaggedSequence(
-                offsets=t(np.ascontiguousarray(off)), max_len=max(longest, 1),
-                item_ids=t(np.ascontiguousarray(items)), action_ids=t(np.ascontiguousarray(acts)),
-                timestamps=t(np.ascontiguousarray(ts)),
+                offsets=t(off), max_len=max(longest, 1),
+                item_ids=t(items), action_ids=t(acts),
+                timestamps=t(ts),
             )  # fmt: skip
         batch = GemBatch(
-            dense=t(np.ascontiguousarray(block.dense[sel])),
+            dense=t(block.dense[sel]),
             sparse=sparse,
             sequences=sequences,
-            request_time=t(np.ascontiguousarray(block.request_time[sel])),
-            labels=t(np.ascontiguousarray(block.labels[sel])),
-            label_mask=t(np.ascontiguousarray(block.label_mask[sel])),
+            request_time=t(block.request_time[sel]),
+            labels=t(block.labels[sel]),
+            label_mask=t(block.label_mask[sel]),
         )
         return batch, n_bad
 

@@ -79,7 +79,8 @@ class _Reader:
         if f not in self._open:
             self._open = {f: pq.ParquetFile(path)}  # one file open at a time
         try:
-            table = self._open[f].read_row_group(idx, columns=self.columns)
+            # One thread: loader workers are processes already; Arrow's threads would oversubscribe the cores.
+            table = self._open[f].read_row_group(idx, columns=self.columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:
             raise ParquetDataError(f"cannot read ({e})", path, idx) from e
         if table.num_rows != int(self.files.group_rows[g]):
@@ -113,23 +114,6 @@ class _Reader:
             i += 1
         table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
         return table, Provenance(np.concatenate(pf), np.concatenate(pg), np.concatenate(pr))
-
-
-def _concat(
-    a: tuple[pa.Table, Provenance] | None, b: tuple[pa.Table, Provenance]
-) -> tuple[pa.Table, Provenance]:
-    if a is None or a[0].num_rows == 0:
-        return b
-    pa_, pb = a[1], b[1]
-    prov = Provenance(*(np.concatenate([x, y]) for x, y in zip((pa_.file, pa_.row_group, pa_.row),
-                                                               (pb.file, pb.row_group, pb.row))))  # fmt: skip
-    return pa.concat_tables([a[0], b[0]]), prov
-
-
-def _take(t: tuple[pa.Table, Provenance], lo: int, hi: int | None = None) -> tuple[pa.Table, Provenance]:
-    n = t[0].num_rows
-    hi = n if hi is None else hi
-    return t[0].slice(lo, hi - lo), t[1].take(np.arange(lo, hi))
 
 
 class ParquetStream(IterableDataset):
@@ -222,7 +206,7 @@ class ParquetSource:
             patterns = getattr(cfg, key)
             self.files[split] = split_files(self.layout, patterns, self.root, key) if patterns else None
         self.bad_rows: dict[str, int] = {}
-        self._memory: dict[str, tuple[pa.Table, Provenance]] = {}
+        self._memory: dict[str, Block] = {}
         self._perm_cache: tuple[int, np.ndarray] | None = None
 
     # -- BatchSource --------------------------------------------------------------------------------------
@@ -241,21 +225,21 @@ class ParquetSource:
     def get(self, split: str, index: int, batch_size: int) -> LoadedBatch:
         """Batch ``index`` by random access (the whole split in memory; ``shuffle = "global"`` order for
         train, file order for held-out splits)."""
-        table, prov = self._in_memory(split)
+        block = self._in_memory(split)
         if split == "train":
             per_epoch = self.num_batches("train", batch_size)
             epoch, k = divmod(int(index), per_epoch)
             if self._perm_cache is None or self._perm_cache[0] != epoch:
-                perm = np.random.default_rng([self.seed, 11, epoch]).permutation(table.num_rows)
+                perm = np.random.default_rng([self.seed, 11, epoch]).permutation(block.n)
                 self._perm_cache = (epoch, perm)
             rows = self._perm_cache[1][k * batch_size : (k + 1) * batch_size]
         else:
             n = self.num_batches(split, batch_size)
             if not 0 <= index < n:
                 raise IndexError(f"{split} batch {index} out of range ({n} batches)")
-            rows = np.arange(index * batch_size, min((index + 1) * batch_size, table.num_rows))
-        block = self._block(table.take(rows), prov.take(rows), split)
-        return self._loaded(block, 0, block.n, index, split)
+            rows = np.arange(index * batch_size, min((index + 1) * batch_size, block.n))
+        part = block.take(rows)
+        return self._loaded(part, 0, part.n, index, split)
 
     # -- loader hooks (gem_train.data.loader) -------------------------------------------------------------
 
@@ -331,26 +315,37 @@ class ParquetSource:
         pos = local_start * batch_size
         epoch, off = divmod(pos, size)
         index = local_start
-        pending: tuple[pa.Table, Provenance] | None = None
+        pending: Block | None = None  # fewer than batch_size rows carried into the next window
         while True:
             order, cum = self._order(files, epoch)
             window = off // w
             while window * w < size:
                 a, b = lo_s + window * w, lo_s + min((window + 1) * w, size)
                 table, prov = reader.rows(order, cum, a, b)
+                block = self._block(table, prov, "train")  # checked and converted in file order
                 if self.cfg.shuffle == "buffer":
-                    perm = np.random.default_rng([self.seed, 23, epoch, shard, window]).permutation(b - a)
-                    table, prov = table.take(perm), prov.take(perm)
-                skip = off - window * w if off > window * w else 0
-                cur = _concat(pending, _take((table, prov), skip))
-                full = cur[0].num_rows // batch_size * batch_size
-                if full:
-                    head = _take(cur, 0, full)
-                    block = self._block(head[0], head[1], "train")
-                    for j in range(0, full, batch_size):
-                        yield self._loaded(block, j, j + batch_size, index, "train")
-                        index += 1
-                pending = _take(cur, full)
+                    block = block.take(
+                        np.random.default_rng([self.seed, 23, epoch, shard, window]).permutation(b - a)
+                    )
+                if off > window * w:  # resuming inside this window
+                    block = block.slice(off - window * w, block.n)
+                lo = 0
+                if pending is not None:  # the batch spanning the previous window (or epoch) and this one
+                    lo = min(batch_size - pending.n, block.n)
+                    pending = Block.concat(pending, block.slice(0, lo))
+                    if pending.n == batch_size:
+                        yield self._loaded(pending, 0, batch_size, index, "train")
+                        index, pending = index + 1, None
+                full = lo + (block.n - lo) // batch_size * batch_size
+                for j in range(lo, full, batch_size):
+                    yield self._loaded(block, j, j + batch_size, index, "train")
+                    index += 1
+                if full < block.n:
+                    pending = (
+                        block.slice(full, block.n)
+                        if pending is None
+                        else Block.concat(pending, block.slice(full, block.n))
+                    )
                 off = 0
                 window += 1
             epoch += 1
@@ -417,12 +412,14 @@ class ParquetSource:
                 )
         return ParquetBatch(LoadedBatch(batch, index, None), n_bad, reason)
 
-    def _in_memory(self, split: str) -> tuple[pa.Table, Provenance]:
+    def _in_memory(self, split: str) -> Block:
+        """The whole split, checked and converted once (``shuffle = "global"``)."""
         if split not in self._memory:
             files = self.files.get(split)
             if files is None:
                 raise ValueError(f"no {split} split (data.parquet.{SPLITS[split]} is empty)")
             reader = _Reader(files, self.columns)
             order, cum = self._order_in_file(files)
-            self._memory[split] = reader.rows(order, cum, 0, files.num_rows)
+            table, prov = reader.rows(order, cum, 0, files.num_rows)
+            self._memory[split] = self._block(table, prov, split)
         return self._memory[split]
