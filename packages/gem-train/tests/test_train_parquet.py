@@ -648,3 +648,43 @@ def test_movielens_parquet_gives_the_built_in_batches_and_metrics(ml_parquet, tm
     assert ra.losses == rb.losses
     assert ra.final_eval.tasks["ctr"].ne == rb.final_eval.tasks["ctr"].ne
     assert ra.best_eval.tasks["ctr"].ne == rb.best_eval.tasks["ctr"].ne and ra.best_step == rb.best_step
+
+
+def test_readme_config_loads_and_synthetic_export_command(tmp_path, capsys):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    part = readme.split("## Training on your own data (Parquet)", 1)[1]
+    block = part.split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my-ads.toml").write_text(block)
+    cfg = load_config(str(tmp_path / "my-ads.toml"))
+    names = [n for n, _ in cfg.data.parquet.sparse_features()]
+    assert cfg.data.source == "parquet" and names == ["user_id", "interests"]
+    assert list(cfg.data.parquet.labels) == ["ctr", "cvr"]
+    argv = [
+        "data",
+        "synthetic",
+        "--format",
+        "parquet",
+        "--train-examples",
+        "100",
+        str(tmp_path / "syn"),
+        "data.batch_size=50",
+        "data.synthetic.eval_examples=60",
+        "data.synthetic.max_len=8",
+    ]
+    assert main(argv) == 0
+    assert "train 100 rows, test 60 rows" in capsys.readouterr().out
+    text = (tmp_path / "syn" / "data.toml").read_text()
+    assert (
+        main(
+            [
+                "data",
+                "inspect",
+                "--config",
+                str(tmp_path / "syn" / "data.toml"),
+                "--png",
+                str(tmp_path / "h.png"),
+            ]
+        )
+        == 0
+    )
+    assert "train: 100 rows" in capsys.readouterr().out and 'source = "parquet"' in text
