@@ -344,9 +344,9 @@ class Converter:
         b = hi - lo - n_bad
 
         def t(a: np.ndarray) -> torch.Tensor:
-            # A batch owns its memory: a block's arrays (views of Arrow's read-only buffers, or shared by the
-            # block's batches) are copied; arrays made for this batch alone are taken as they are.
-            return torch.from_numpy(a if a.flags.writeable and a.flags.owndata else np.array(a, copy=True))
+            # Views of the block's own (writable, never modified) arrays are shared with the batch; Arrow's
+            # buffers are read-only, and those are copied.
+            return torch.from_numpy(a if a.flags.writeable else np.array(a, copy=True))
 
         def rows(j: Jagged) -> tuple[np.ndarray, list[np.ndarray]]:
             part = j.slice(lo, hi) if keep is None else j.take(keep)
