@@ -688,3 +688,54 @@ def test_readme_config_loads_and_synthetic_export_command(tmp_path, capsys):
         == 0
     )
     assert "train: 100 rows" in capsys.readouterr().out and 'source = "parquet"' in text
+
+
+@pytest.mark.distributed
+def test_torchrun_two_ranks_train_and_evaluate_every_held_out_row_once(table_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    write_table(table_dir / "valid" / "v.parquet", 45, seed=4, first_id=20_000)
+    sec = section(table_dir, valid=["valid/*.parquet"])
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[data]\nsource = "parquet"\n' + _toml_section(sec))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "gem_train.cli",
+        "train",
+        "--config",
+        str(cfg),
+        "data.batch_size=16",
+        "data.eval_batch_size=8",
+        "data.num_workers=1",
+        "model.overrides.n_layers=1",
+        'model.overrides.attention="full"',
+        "train.steps=4",
+        "train.log_every=2",
+        "train.valid_every=2",
+        "train.progress_bar=false",
+        "checkpoint.every=2",
+        f"run.out_dir={tmp_path / 'runs'}",
+    ]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (run,) = list((tmp_path / "runs").iterdir())
+    summary = json.loads((run / "eval.json").read_text())
+    assert summary["tasks"]["ctr"]["count"] == 61  # every test row once, over both ranks
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["ctr/count"] == 45 for r in rows if r["split"] == "valid")
+    state = json.loads((run / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    assert state["data_stream"] == {
+        "format": "parquet",
+        "shuffle": "buffer",
+        "world_size": 2,
+        "num_workers": 1,
+        "train_rows": 327,
+    }
