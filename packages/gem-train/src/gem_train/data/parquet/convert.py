@@ -57,8 +57,11 @@ class Jagged:
         lengths = self.lengths()[idx]
         off = np.zeros(len(idx) + 1, np.int64)
         np.cumsum(lengths, out=off[1:])
-        flat = np.repeat(self.offsets[:-1][idx] - off[:-1], lengths) + np.arange(int(off[-1]), dtype=np.int64)
-        return Jagged(off, [v[flat] for v in self.values])
+        # int32 positions while they fit: half the memory traffic of building and reading the index.
+        itype = np.int32 if int(self.offsets[-1]) < 2**31 else np.int64
+        flat = np.repeat((self.offsets[:-1][idx] - off[:-1]).astype(itype), lengths)
+        flat += np.arange(int(off[-1]), dtype=itype)
+        return Jagged(off, [np.take(v, flat) for v in self.values])
 
     @staticmethod
     def concat(a: Jagged, b: Jagged) -> Jagged:
