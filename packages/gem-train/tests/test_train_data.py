@@ -30,7 +30,7 @@ def test_batches_are_valid_and_deterministic():
     assert _same(a.batch, SyntheticAds(CFG, seed=3).make_batch("train", 5, 128).batch)
     assert not _same(a.batch, ds.make_batch("train", 6, 128).batch)
     assert not _same(a.batch, SyntheticAds(CFG, seed=4).make_batch("train", 5, 128).batch)
-    assert not _same(a.batch, ds.make_batch("eval", 5, 128).batch)
+    assert not _same(a.batch, ds.make_batch("test", 5, 128).batch)
     # Conversions are labelled only after a click.
     lab, mask = a.batch.labels, a.batch.label_mask
     assert torch.equal(mask[:, 1], lab[:, 0].bool()) and bool(mask[:, 0].all())
@@ -58,7 +58,7 @@ def test_heavy_tailed_history_and_zipf_popularity(dist):
 
 def test_ground_truth_floor_is_clearly_below_one():
     ds = SyntheticAds(CFG, seed=0)
-    parts = [ds.get("eval", i, 1024) for i in range(ds.num_batches("eval", 1024))]
+    parts = [ds.get("test", i, 1024) for i in range(ds.num_batches("test", 1024))]
     ne = ground_truth_ne(
         [p.true_probs for p in parts],
         [p.batch.labels.numpy() for p in parts],
@@ -103,12 +103,12 @@ def test_ranks_get_disjoint_interleaved_shards():
     r1 = [i for i, _ in _indices(make_train_loader(ds, 32, rank=1, world_size=2), 3)]
     assert r0 == [0, 2, 4] and r1 == [1, 3, 5]
     # Evaluation: ranks split the fixed evaluation batches with no overlap and no gap.
-    n = ds.num_batches("eval", 1000)
+    n = ds.num_batches("test", 1000)
     e0 = [lb.index for lb in make_eval_loader(ds, 1000, rank=0, world_size=3)]
     e1 = [lb.index for lb in make_eval_loader(ds, 1000, rank=1, world_size=3)]
     e2 = [lb.index for lb in make_eval_loader(ds, 1000, rank=2, world_size=3)]
     assert sorted(e0 + e1 + e2) == list(range(n))
-    last = ds.get("eval", n - 1, 1000)
+    last = ds.get("test", n - 1, 1000)
     assert last.batch.batch_size == CFG.eval_examples - (n - 1) * 1000
 
 
@@ -123,9 +123,9 @@ def test_synthetic_validation_split_is_its_own_stream():
     v[0].batch.validate(ds.spec)
     # Deterministic, and drawn from a stream of its own: not the test nor the training batches.
     assert _same(v[0].batch, ds.get("valid", 0, 64).batch)
-    assert not _same(v[0].batch, ds.get("eval", 0, 64).batch)
+    assert not _same(v[0].batch, ds.get("test", 0, 64).batch)
     assert not _same(v[0].batch, ds.get("train", 0, 64).batch)
     with pytest.raises(IndexError, match="valid batch 3 out of range"):
         ds.get("valid", 3, 64)
-    with pytest.raises(ValueError, match="split must be 'eval' or 'valid'"):
+    with pytest.raises(ValueError, match="split must be one of 'valid', 'test'"):
         make_eval_loader(ds, 64, split="train")

@@ -42,7 +42,7 @@ def test_80_steps_of_tiny_beat_every_constant_predictor(tmp_path):
     # The same test labels the trainer scored, and the best constant predictor on them.
     ds = SyntheticAds(cfg.data.synthetic, seed=cfg.run.seed)
     bs = cfg.data.eval_batch_size
-    parts = [ds.get("eval", i, bs) for i in range(ds.held_out_batches("eval", bs))]
+    parts = [ds.get("test", i, bs) for i in range(ds.held_out_batches("test", bs))]
     y = np.concatenate([p.batch.labels.numpy()[:, 0] for p in parts])
     assert len(y) == 4096 and 0 < y.mean() < 1
     best_constant = normalized_entropy(np.full(len(y), y.mean()), y)

@@ -41,7 +41,7 @@ def test_default_command_end_to_end(tmp_path, capsys, small_overrides):
     train_rows = [r for r in rows if r["split"] == "train"]
     assert [r["step"] for r in train_rows] == [2, 4]
     assert all(r["examples_per_s"] > 0 and "ctr/ne" in r for r in train_rows)
-    assert [r["step"] for r in rows if r["split"] == "eval"] == [2, 4]
+    assert [r["step"] for r in rows if r["split"] == "test"] == [2, 4]
     summary = json.loads((run / "eval.json").read_text())
     assert set(summary["tasks"]) == {"ctr", "cvr"} and summary["ground_truth_ne"]["ctr"] < 1
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_00000004"]
@@ -172,7 +172,7 @@ def _signal_on_batch(monkeypatch, split, index, times=1):
 def test_sigterm_during_the_final_evaluation_checkpoints_and_says_how_to_resume(
     tmp_path, capsys, monkeypatch, small_overrides
 ):
-    restore = _signal_on_batch(monkeypatch, "eval", 1)
+    restore = _signal_on_batch(monkeypatch, "test", 1)
     args = [*small_overrides, "train.steps=3", "data.eval_batch_size=32", f"run.out_dir={tmp_path}"]
     try:
         assert main(["train", *args]) == 0
@@ -193,7 +193,7 @@ def test_sigterm_during_the_final_evaluation_checkpoints_and_says_how_to_resume(
     assert (ckpt / "manifest.json").stat().st_mtime_ns == mtime
 
 
-@pytest.mark.parametrize("split", ["train", "eval"])
+@pytest.mark.parametrize("split", ["train", "test"])
 def test_a_second_signal_stops_at_once(tmp_path, capsys, monkeypatch, small_overrides, split):
     restore = _signal_on_batch(monkeypatch, split, 2, times=2)
     args = [*small_overrides, "train.steps=4", "data.eval_batch_size=32", f"run.out_dir={tmp_path}"]

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import gem_precision
+from gem_model import multitask_loss
 from gem_train.config import ConfigError, load_config
 from gem_train.data.synthetic import SyntheticAds
 from gem_train.model_factory import build_gem_config, build_model
-from gem_train.trainer import multitask_loss
 
 SMALL = ["data.synthetic.max_len=8", "data.synthetic.num_users=200", "data.synthetic.num_items=100"]
 
@@ -47,7 +47,7 @@ def test_same_seed_same_weights_and_baseline_runs():
     cfg, ds = _setup("model.arch=mlp")
     mlp = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0)
     batch = ds.make_batch("train", 0, 16).batch
-    loss = multitask_loss(mlp.model(batch), batch, ds.spec.tasks)
+    loss, _ = multitask_loss(mlp.model(batch), batch)
     loss.backward()
     assert mlp.flops is None and torch.isfinite(loss)
     assert all(p.grad is not None for p in mlp.model.parameters())
@@ -61,6 +61,6 @@ def test_precision_recipe_converts_linears_and_keeps_parameter_names():
     assert n > 0
     assert list(plain.state_dict()) == list(conv.state_dict())  # checkpoints stay compatible
     batch = ds.make_batch("train", 0, 8).batch
-    loss = multitask_loss(conv(batch), batch, ds.spec.tasks)
+    loss, _ = multitask_loss(conv(batch), batch)
     loss.backward()
     assert torch.isfinite(loss)

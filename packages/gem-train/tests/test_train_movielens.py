@@ -96,7 +96,7 @@ def test_validation_split_by_time_disjoint_and_without_leakage(tmp_path):
     assert ds.item_pop.sum() == len(ds.train_rows)
     # No leakage: the history of each validation/test event is exactly the user's earlier events, oldest
     # first (all of them: max_len 64), never the event itself nor a later one.
-    for split in ("valid", "eval"):
+    for split in ("valid", "test"):
         rows_ = ds.rows(split, 0, 1024)
         hist = ds.get(split, 0, 1024).batch.sequences["history"]
         offs = hist.offsets.tolist()
@@ -109,8 +109,8 @@ def test_validation_split_by_time_disjoint_and_without_leakage(tmp_path):
     np.testing.assert_array_equal(np.concatenate([ds.rows("valid", k, 2) for k in range(2)]), ds.valid_rows)
     with pytest.raises(IndexError, match="valid batch 2 out of range"):
         ds.rows("valid", 2, 2)
-    with pytest.raises(ValueError, match="split must be"):
-        ds.rows("test", 0, 2)
+    with pytest.raises(ValueError, match="split must be one of"):
+        ds.rows("eval", 0, 2)  # the old name of the test split
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ def test_real_movielens_slice(real_ml100k):
     assert set(np.unique(ev.user)) <= set(range(1, 51)) and len(ev.user) > 1000
     assert ev.num_users == 944 and ev.num_items == 1683 and ev.num_genres == 19
     ds = MovieLens100K(MovieLensConfig(max_len=32), events=ev)
-    for split in ("train", "eval"):
+    for split in ("train", "test"):
         lb = ds.get(split, 0, 256)
         lb.batch.validate(ds.spec)
         assert torch.isfinite(lb.batch.dense).all()

@@ -170,7 +170,7 @@ def test_round_trip_synthetic_to_parquet_gives_the_generators_batches(tmp_path):
         lb = next(it)
         lb.batch.validate(src.spec)
         assert_batches_equal(lb.batch, ds.make_batch("train", i % 9, 32).batch)
-    for split in ("eval", "valid"):
+    for split in ("test", "valid"):
         got = list(make_eval_loader(src, 50, split=split))
         assert len(got) == ds.held_out_batches(split, 50) == src.num_batches(split, 50)
         for i, lb in enumerate(got):
@@ -246,10 +246,10 @@ def test_held_out_split_is_read_once_in_file_order_by_any_layout(table_dir):
         rows = []
         for rank in range(world):
             for w in range(workers):
-                batches = src._held_out_batches("eval", 8, rank, world, w, workers, 0)
+                batches = src._held_out_batches("test", 8, rank, world, w, workers, 0)
                 rows += [r for lb in batches for r in row_ids(lb)]
         assert sorted(rows) == list(range(10_000, 10_061))
-    assert src.num_batches("eval", 8) == 8 and src.num_batches("valid", 8) == 0
+    assert src.num_batches("test", 8) == 8 and src.num_batches("valid", 8) == 0
 
 
 def test_truncation_keeps_the_most_recent_events(tmp_path):
@@ -612,7 +612,8 @@ def ml_parquet(tmp_path_factory):
 
 
 def test_movielens_parquet_gives_the_built_in_batches_and_metrics(ml_parquet, tmp_path):
-    from gem_train.trainer import Trainer, build_source
+    from gem_train.run import build_source
+    from gem_train.trainer import Trainer
 
     out, base = ml_parquet
     small = [
@@ -634,12 +635,12 @@ def test_movielens_parquet_gives_the_built_in_batches_and_metrics(ml_parquet, tm
     parquet_cfg = load_config("movielens-parquet", parquet)
     a, b = build_source(builtin_cfg), build_source(parquet_cfg)
     assert a.spec == b.spec
-    for split in ("train", "valid", "eval"):
+    for split in ("train", "valid", "test"):
         assert a.num_batches(split, 64) == b.num_batches(split, 64)
     per_epoch = a.num_batches("train", 64)
     for i in [0, 1, per_epoch - 1, per_epoch, per_epoch + 2]:  # across an epoch boundary: new permutation
         assert_batches_equal(a.get("train", i, 64).batch, b.get("train", i, 64).batch)
-    for split in ("valid", "eval"):
+    for split in ("valid", "test"):
         for x, y in zip(
             make_eval_loader(a, 256, split=split), make_eval_loader(b, 256, split=split), strict=True
         ):

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-import gem_train.trainer as trainer_mod
+import gem_train.selection as selection_mod
 from gem_train.checkpoint import read_trainer_state
 from gem_train.cli import main
 from gem_train.config import ConfigError
@@ -41,7 +41,7 @@ def test_best_checkpoint_is_the_argmin_of_a_controlled_validation_metric(
     # The selection value is controlled (a tie at step 4 keeps the earlier step 2); the real validation
     # metrics are still computed and logged, which shows that checkpoints/best holds the weights of step 2.
     values = {1: 0.9, 2: 0.7, 3: 0.8, 4: 0.7, 5: 0.95}
-    monkeypatch.setattr(trainer_mod, "selection_value", lambda ev, task: values[ev.step])
+    monkeypatch.setattr(selection_mod, "selection_value", lambda ev, task: values[ev.step])
     res = Trainer(selection_config(tmp_path, "train.steps=5", "train.valid_every=1")).fit()
     assert res.best_step == 2 and res.best_valid_ne == 0.7
     ck = res.run_dir / "checkpoints"
@@ -56,7 +56,7 @@ def test_best_checkpoint_is_the_argmin_of_a_controlled_validation_metric(
     assert summary["best"]["step"] == 2 and summary["best"]["valid_ne"] == 0.7
     assert summary["best"]["tasks"]["ctr"]["ne"] == res.best_eval.tasks["ctr"].ne
     assert summary["best"]["valid"]["ctr"]["ne"] == valid[1]["ctr/ne"]
-    assert _rows(res.run_dir, "best_eval")[0]["best_step"] == 2
+    assert _rows(res.run_dir, "best_test")[0]["best_step"] == 2
     # `gem-train eval` on checkpoints/best: the validation split gives step 2's logged validation NE, the test
     # split the reported test NE of the best checkpoint.
     capsys.readouterr()

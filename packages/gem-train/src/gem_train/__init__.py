@@ -24,6 +24,7 @@ from gem_train.data.parquet.errors import ParquetDataError
 from gem_train.data.parquet.inspect import inspect_dataset
 from gem_train.data.parquet.reader import ParquetSource
 from gem_train.data.synthetic import SyntheticAds
+from gem_train.evaluation import EvalResult, evaluate_model, selection_value
 from gem_train.metrics import (
     BinaryMetrics,
     auc,
@@ -36,15 +37,9 @@ from gem_train.metrics import (
 from gem_train.mfu import PEAK_FLOPS, device_peak_flops
 from gem_train.model_factory import build_gem_config, build_model
 from gem_train.optim import RowWiseAdagrad, build_optimizers, lr_factor
+from gem_train.run import Run, build_run
 from gem_train.run_dir import RunDir
-from gem_train.trainer import (
-    EvalResult,
-    NonFiniteLossError,
-    Trainer,
-    TrainResult,
-    evaluate_model,
-    selection_value,
-)
+from gem_train.trainer import NonFiniteLossError, Trainer, TrainResult
 
 __version__ = "0.1.0"
 
@@ -65,6 +60,7 @@ __all__ = [
     "ParquetDataError",
     "ParquetSource",
     "RowWiseAdagrad",
+    "Run",
     "RunDir",
     "SyntheticAds",
     "TrainConfig",
@@ -76,6 +72,7 @@ __all__ = [
     "build_gem_config",
     "build_model",
     "build_optimizers",
+    "build_run",
     "calibration",
     "device_peak_flops",
     "evaluate_model",

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import cast
 
 from gem_train.config import SHIPPED_CONFIGS, ConfigError, TrainConfig, config_from_dict, load_config
+from gem_train.data.split import HELD_OUT, HeldOutSplit
 
 __all__ = ["main"]
 
@@ -73,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--split",
-        choices=("test", "valid"),
+        choices=HELD_OUT,
         default="test",
         help="the held-out split: test (default) or valid (the validation split used for model selection)",
     )
@@ -155,28 +156,22 @@ def _train(cfg: TrainConfig, resume: str | None) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from gem_train.checkpoint import load_checkpoint
-    from gem_train.model_factory import build_model
-    from gem_train.trainer import build_source, evaluate_model, init_distributed
+    from gem_train.evaluation import evaluate_model
+    from gem_train.run import build_run
 
     cfg, ckpt = _checkpoint_config(Path(args.checkpoint), args.overrides)
-    d = init_distributed(cfg.run.device, cfg.run.cpu_threads)
-    source = build_source(cfg)
-    model = build_model(cfg.model, source.spec, d.device, cfg.run.seed, cfg.precision).model
-    state = load_checkpoint(ckpt, model, None, restore_rng=False)
-    use_bf16 = cfg.train.autocast == "bf16" or (cfg.train.autocast == "auto" and d.device.type == "cuda")
-    import torch
-
-    split = "eval" if args.split == "test" else "valid"
-    if not source.num_batches(split, cfg.data.eval_batch_size):
+    run = build_run(cfg, training=False)
+    split: HeldOutSplit = args.split
+    if not run.source.num_batches(split, cfg.data.eval_batch_size):
         raise ConfigError(
             "this dataset has no validation split (data.movielens.valid_fraction or "
             "data.synthetic.valid_examples is 0); use --split test or set it"
         )
-    res = evaluate_model(
-        model, source, cfg, d, torch.bfloat16 if use_bf16 else None, int(state["step"]), args.batches, split
-    )
-    if d.is_main:
-        print(f"checkpoint {ckpt} (step {state['step']}), {args.split} split:")
+    state = load_checkpoint(ckpt, run.model, None, restore_rng=False)
+    step = int(state["step"])
+    res = evaluate_model(run.model, run.source, cfg, run.dist, run.autocast_dtype, step, args.batches, split)
+    if run.dist.is_main:
+        print(f"checkpoint {ckpt} (step {step}), {split} split:")
         print(res.summary())
     return 0
 
@@ -226,15 +221,15 @@ def _data(args: argparse.Namespace) -> int:
             print("  train with: gem-train train --config movielens")
         return 0
     from gem_train.data.synthetic import SyntheticAds
-    from gem_train.metrics import binary_metrics
+    from gem_train.metrics import ground_truth_ne
 
     cfg = load_config(args.config, args.overrides)
     ds = SyntheticAds(cfg.data.synthetic, cfg.run.seed)
     import numpy as np
 
     parts = [
-        ds.get("eval", i, cfg.data.eval_batch_size)
-        for i in range(ds.held_out_batches("eval", cfg.data.eval_batch_size))
+        ds.get("test", i, cfg.data.eval_batch_size)
+        for i in range(ds.held_out_batches("test", cfg.data.eval_batch_size))
     ]
     lengths = np.concatenate([p.batch.sequences["history"].lengths.numpy() for p in parts])
     sp = ds.spec
@@ -248,12 +243,14 @@ def _data(args: argparse.Namespace) -> int:
         f"  history length ({cfg.data.synthetic.history_dist}): mean {lengths.mean():.1f}, median "
         f"{np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, max {lengths.max()}"
     )
-    for j, task in enumerate(ds.spec.tasks):
-        m = np.concatenate([p.batch.label_mask.numpy()[:, j] for p in parts])
-        y = np.concatenate([p.batch.labels.numpy()[:, j] for p in parts])[m]
-        # The synthetic data's batches always carry their ground-truth probabilities.
-        t = np.concatenate([cast(np.ndarray, p.true_probs)[:, j] for p in parts])[m]
-        print(f"  {task}: base rate {y.mean():.4f}, ground-truth NE floor {binary_metrics(t, y).ne:.4f}")
+    masks = [p.batch.label_mask.numpy() for p in parts]
+    labels = [p.batch.labels.numpy() for p in parts]
+    # The synthetic data's batches always carry their ground-truth probabilities.
+    floors = ground_truth_ne([cast(np.ndarray, p.true_probs) for p in parts], labels, masks, sp.tasks)
+    for j, task in enumerate(sp.tasks):
+        m = np.concatenate(masks)[:, j]
+        y = np.concatenate(labels)[m, j]
+        print(f"  {task}: base rate {y.mean():.4f}, ground-truth NE floor {floors[task]:.4f}")
     return 0
 
 
@@ -271,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     from gem_train.checkpoint import CheckpointError
     from gem_train.data.movielens import DataFetchError, MovieLensFormatError
     from gem_train.data.parquet.errors import ParquetDataError
-    from gem_train.trainer import NonFiniteLossError, StopNow
+    from gem_train.signals import StopNow
+    from gem_train.trainer import NonFiniteLossError
 
     try:
         if args.command is None:

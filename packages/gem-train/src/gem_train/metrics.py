@@ -23,6 +23,7 @@ __all__ = [
     "binary_entropy",
     "binary_metrics",
     "calibration",
+    "ground_truth_ne",
     "log_loss",
     "normalized_entropy",
     "reliability_bins",
@@ -161,3 +162,26 @@ def binary_metrics(p: Any, y: Any, base_rate: float | None = None) -> BinaryMetr
         base_rate=float(y_.mean()),
         count=int(y_.size),
     )
+
+
+def ground_truth_ne(
+    true_probs: list[np.ndarray], labels: list[np.ndarray], masks: list[np.ndarray], tasks: tuple[str, ...]
+) -> dict[str, float]:
+    """NE of the hidden model's probabilities on the given labels, per task: the floor a model can reach
+    on synthetic data (the one place it is computed: evaluation, ``gem-train data synthetic``, tests).
+
+    Each list holds per-batch ``[B, T]`` arrays (``true_probs`` float64, ``labels`` 0/1, ``masks`` bool);
+    masked-out labels are skipped, and so is a task with no labelled example (or a single class: its NE is
+    undefined).
+    """
+    p = np.concatenate(true_probs).astype(np.float64)
+    y = np.concatenate(labels).astype(np.float64)
+    m = np.concatenate(masks).astype(bool)
+    out: dict[str, float] = {}
+    for j, task in enumerate(tasks):
+        sel = m[:, j]
+        if sel.any():
+            ne = binary_metrics(np.clip(p[sel, j], 0.0, 1.0), y[sel, j]).ne
+            if np.isfinite(ne):
+                out[task] = ne
+    return out

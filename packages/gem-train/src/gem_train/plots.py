@@ -48,9 +48,9 @@ def plot_curves(rows: list[dict[str, Any]], out_dir: Path, tasks: tuple[str, ...
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train = [r for r in rows if r["split"] == "train"]
-    evals = [r for r in rows if r["split"] == "eval"]
+    evals = [r for r in rows if r["split"] == "test"]
     valids = [r for r in rows if r["split"] == "valid"]
-    bests = [r for r in rows if r["split"] == "best_eval" and "best_step" in r]
+    bests = [r for r in rows if r["split"] == "best_test" and "best_step" in r]
     written = []
 
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -4,7 +4,7 @@ Layout::
 
     <run.out_dir>/<run.name>-<UTC yyyymmdd-HHMMSS>/
         config.toml          the resolved config (overrides applied); `gem-train train --config` re-runs it
-        metrics.jsonl        one JSON object per line: {"step", "split": "train"|"eval", "time", metrics...}
+        metrics.jsonl  one JSON row per line: {"step", "split": "train"|"valid"|"test"|"best_test", ...}
         tensorboard/         TensorBoard event files (`tensorboard --logdir <run dir>/tensorboard`)
         checkpoints/step_<N>/  torch.distributed.checkpoint snapshots (see gem_train.checkpoint)
         plots/               loss.png, ne.png, reliability.png (written at the end)
@@ -14,10 +14,13 @@ Layout::
 from __future__ import annotations
 
 import datetime as _dt
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RunDir", "create_run_dir"]
+from gem_train.checkpoint import latest_checkpoint
+
+__all__ = ["RunDir", "create_run_dir", "resolve_resume"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +68,29 @@ def create_run_dir(out_dir: str | Path, name: str, now: _dt.datetime | None = No
         root = base.with_name(f"{base.name}-{i}")
         i += 1
     return RunDir(root).make()
+
+
+def resolve_resume(resume: str | Path, name: str, out_dir: str | Path) -> Path:
+    """The checkpoint ``--resume`` names: a checkpoint directory, a run directory (its newest complete
+    checkpoint), or ``"latest"`` (the newest checkpoint of the newest run named ``name`` under ``out_dir``).
+
+    Raises FileNotFoundError naming what is missing.
+    """
+    if str(resume) == "latest":
+        # <name>-<yyyymmdd>-<HHMMSS>[-k] only: "tiny-cpu-*" must not match "tiny-cpu-baseline-*".
+        pat = re.compile(re.escape(name) + r"-\d{8}-\d{6}(-\d+)?$")
+        runs = sorted(p for p in Path(out_dir).glob(f"{name}-*") if pat.match(p.name))
+        for r in reversed(runs):
+            ck = latest_checkpoint(r / "checkpoints")
+            if ck is not None:
+                return ck
+        raise FileNotFoundError(f"no checkpoint of a run named {name!r} under {out_dir}")
+    path = Path(resume)
+    if (path / "checkpoints").is_dir():  # a run directory: take its newest checkpoint
+        ck = latest_checkpoint(path / "checkpoints")
+        if ck is None:
+            raise FileNotFoundError(f"run directory {path} has no complete checkpoint")
+        return ck
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    return path

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from gem_model import FeatureSpec, GemBatch
+from gem_train.data.split import HELD_OUT, HeldOutSplit, Split, check_split
 
 __all__ = ["BatchSource", "BatchStream", "LoadedBatch", "make_eval_loader", "make_train_loader"]
 
@@ -42,12 +43,12 @@ class BatchSource(Protocol):
 
     spec: FeatureSpec
 
-    def get(self, split: str, index: int, batch_size: int) -> LoadedBatch:
+    def get(self, split: Split, index: int, batch_size: int) -> LoadedBatch:
         """Batch ``index`` of ``split`` ("train": any index >= 0, endless; "valid" (validation, for model
-        selection) and "eval" (test): ``< num_batches``)."""
+        selection) and "test": ``< num_batches``)."""
         ...
 
-    def num_batches(self, split: str, batch_size: int) -> int | None:
+    def num_batches(self, split: Split, batch_size: int) -> int | None:
         """Batches in one pass over ``split`` (None: endless; 0 for "valid": no validation split)."""
         ...
 
@@ -58,7 +59,7 @@ class BatchStream(IterableDataset):
     def __init__(
         self,
         source: BatchSource,
-        split: str,
+        split: Split,
         batch_size: int,
         rank: int = 0,
         world_size: int = 1,
@@ -145,12 +146,11 @@ def make_eval_loader(
     world_size: int = 1,
     num_workers: int = 0,
     pin_memory: bool = False,
-    split: str = "eval",
+    split: HeldOutSplit = "test",
 ) -> DataLoader:
-    """This rank's share of a held-out split: ``split`` "eval" (test, the default) or "valid" (validation);
+    """This rank's share of a held-out split: ``split`` "test" (the default) or "valid" (validation);
     all of it, or the first ``max_batches`` batches."""
-    if split not in ("eval", "valid"):
-        raise ValueError(f"split must be 'eval' or 'valid', got {split!r}")
+    check_split(split, HELD_OUT)
     if hasattr(source, "make_stream"):  # a source with its own streams (gem_train.data.parquet)
         return _own_stream(
             source, split, batch_size, rank, world_size, 0, max_batches, num_workers, pin_memory

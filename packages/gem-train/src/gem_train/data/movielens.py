@@ -10,7 +10,7 @@ The task: every rating event is a candidate impression (the movie is the "ad"), 
 action ids 1..5, timestamps), truncated to the most recent ``max_len``. Events are ordered by
 (timestamp, item id) per user. Three splits, by time within each user:
 
-- ``"eval"`` (the test split): the last ``eval_fraction`` of each user's events (at least one);
+- ``"test"`` (the test split): the last ``eval_fraction`` of each user's events (at least one);
 - ``"valid"`` (the validation split, for model selection): the ``valid_fraction`` of the user's events just
   before those (``ceil(valid_fraction * count)``, but never the user's last training event: a user keeps at
   least one training event); ``valid_fraction = 0`` disables it;
@@ -46,6 +46,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from gem_model import FeatureSpec, GemBatch, JaggedSequence, SequenceFeature, SparseFeature
 from gem_train.config import MovieLensConfig
 from gem_train.data.loader import LoadedBatch
+from gem_train.data.split import HELD_OUT, Split, check_split
 
 __all__ = [
     "DataFetchError",
@@ -374,27 +375,25 @@ class MovieLens100K:
 
     # BatchSource -------------------------------------------------------------------------------------------
 
-    def num_batches(self, split: str, batch_size: int) -> int:
-        """Batches in one pass over ``split`` ("train", "valid" or "eval"); "valid" has 0 when disabled."""
-        if split in ("eval", "valid"):
+    def num_batches(self, split: Split, batch_size: int) -> int:
+        """Batches in one pass over ``split`` ("train", "valid" or "test"); "valid" has 0 when disabled."""
+        if split in HELD_OUT:
             return -(-len(self._held_out(split)) // batch_size)
-        if split != "train":
-            raise ValueError(f"split must be 'train', 'valid' or 'eval', got {split!r}")
+        check_split(split)
         return max(1, len(self.train_rows) // batch_size)
 
-    def _held_out(self, split: str) -> np.ndarray:
-        return self.eval_rows if split == "eval" else self.valid_rows
+    def _held_out(self, split: Split) -> np.ndarray:
+        return self.eval_rows if split == "test" else self.valid_rows
 
-    def rows(self, split: str, index: int, batch_size: int) -> np.ndarray:
-        """Event rows of batch ``index``: valid/eval in a fixed order; train reshuffled every epoch by the
+    def rows(self, split: Split, index: int, batch_size: int) -> np.ndarray:
+        """Event rows of batch ``index``: valid/test in a fixed order; train reshuffled every epoch by the
         seed."""
-        if split in ("eval", "valid"):
+        if split in HELD_OUT:
             n = self.num_batches(split, batch_size)
             if not 0 <= index < n:
                 raise IndexError(f"{split} batch {index} out of range ({n} batches)")
             return self._held_out(split)[index * batch_size : (index + 1) * batch_size]
-        if split != "train":
-            raise ValueError(f"split must be 'train', 'valid' or 'eval', got {split!r}")
+        check_split(split)
         per_epoch = self.num_batches("train", batch_size)
         epoch, k = divmod(int(index), per_epoch)
         if self._perm_cache is None or self._perm_cache[0] != epoch:
@@ -402,7 +401,7 @@ class MovieLens100K:
             self._perm_cache = (epoch, perm)
         return self.train_rows[self._perm_cache[1][k * batch_size : (k + 1) * batch_size]]
 
-    def get(self, split: str, index: int, batch_size: int) -> LoadedBatch:
+    def get(self, split: Split, index: int, batch_size: int) -> LoadedBatch:
         return LoadedBatch(self.make_batch(self.rows(split, index, batch_size)), index, None)
 
     # Building ----------------------------------------------------------------------------------------------

@@ -32,11 +32,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from gem_model import FeatureSpec, GemBatch, JaggedSequence, SequenceFeature, SparseFeature
 from gem_train.config import SyntheticConfig
 from gem_train.data.loader import LoadedBatch
-from gem_train.metrics import binary_entropy
+from gem_train.data.split import HELD_OUT, Split, check_split
+from gem_train.metrics import ground_truth_ne  # re-exported: the floor of this dataset's NE
 
 __all__ = ["SyntheticAds", "SyntheticBatch", "ground_truth_ne"]
 
-_SPLIT_CODE = {"train": 0, "eval": 1, "valid": 2}
+# The random stream of each split (the codes are part of the data: they never change).
+_SPLIT_CODE = {"train": 0, "test": 1, "valid": 2}
 _T0 = 1_767_225_600  # 2026-01-01, seconds
 _DAY = 86_400
 _LATENT = 8  # width of the hidden taste vectors
@@ -153,25 +155,25 @@ class SyntheticAds:
     # Batches
     # ------------------------------------------------------------------------------------------------------
 
-    def num_batches(self, split: str, batch_size: int) -> int | None:
-        """Batches per pass: eval ``ceil(eval_examples / B)``; train None (endless) or one epoch."""
-        if split in ("eval", "valid"):
+    def num_batches(self, split: Split, batch_size: int) -> int | None:
+        """Batches per pass: valid/test ``ceil(eval_examples / B)``; train None (endless) or one epoch."""
+        if split in HELD_OUT:
             return self.held_out_batches(split, batch_size)
         epoch = self.cfg.train_examples_per_epoch
         return max(1, epoch // batch_size) if epoch else None
 
-    def held_out_batches(self, split: str, batch_size: int) -> int:
-        """Batches of the "eval" or "valid" split (the last may be smaller)."""
+    def held_out_batches(self, split: Split, batch_size: int) -> int:
+        """Batches of the "test" or "valid" split (the last may be smaller)."""
         return -(-self._held_out_examples(split) // batch_size)
 
-    def _held_out_examples(self, split: str) -> int:
-        return self.cfg.eval_examples if split == "eval" else self.cfg.valid_examples
+    def _held_out_examples(self, split: Split) -> int:
+        return self.cfg.eval_examples if split == "test" else self.cfg.valid_examples
 
-    def get(self, split: str, index: int, batch_size: int) -> LoadedBatch:
-        """Batch ``index`` for the loader (train indices wrap around a finite epoch; the last eval batch
+    def get(self, split: Split, index: int, batch_size: int) -> LoadedBatch:
+        """Batch ``index`` for the loader (train indices wrap around a finite epoch; the last held-out batch
         is smaller when ``eval_examples`` is not a multiple of the batch size)."""
         size = batch_size
-        if split in ("eval", "valid"):
+        if split in HELD_OUT:
             n = self.held_out_batches(split, batch_size)
             if not 0 <= index < n:
                 raise IndexError(f"{split} batch {index} out of range ({n} batches)")
@@ -181,11 +183,10 @@ class SyntheticAds:
         sb = self.make_batch(split, index, size)
         return LoadedBatch(sb.batch, index, sb.true_probs)
 
-    def make_batch(self, split: str, index: int, batch_size: int) -> SyntheticBatch:
-        """Batch ``index`` of ``split`` ("train", "valid" or "eval"): a pure function of (seed, split, index,
+    def make_batch(self, split: Split, index: int, batch_size: int) -> SyntheticBatch:
+        """Batch ``index`` of ``split`` ("train", "valid" or "test"): a pure function of (seed, split, index,
         size)."""
-        if split not in _SPLIT_CODE:
-            raise ValueError(f"split must be 'train', 'valid' or 'eval', got {split!r}")
+        check_split(split)
         c = self.cfg
         rng = np.random.default_rng([self.seed, _SPLIT_CODE[split], int(index), int(batch_size)])
         b = batch_size
@@ -323,21 +324,3 @@ class SyntheticAds:
             label_mask=t(mask),
         )
         return SyntheticBatch(batch, np.stack([p_ctr, p_cvr], axis=1))
-
-
-def ground_truth_ne(
-    true_probs: list[np.ndarray], labels: list[np.ndarray], masks: list[np.ndarray], tasks: tuple[str, ...]
-) -> dict[str, float]:
-    """NE of the hidden model's probabilities on the given (evaluation) labels, per task: the floor.
-
-    Each list holds per-batch ``[B, T]`` arrays; masked-out labels are skipped.
-    """
-    p = np.concatenate(true_probs)
-    y = np.concatenate(labels).astype(np.float64)
-    m = np.concatenate(masks).astype(bool)
-    out = {}
-    for j, task in enumerate(tasks):
-        pj, yj = np.clip(p[m[:, j], j], 1e-15, 1 - 1e-15), y[m[:, j], j]
-        ll = -np.mean(yj * np.log(pj) + (1 - yj) * np.log1p(-pj))
-        out[task] = float(ll / binary_entropy(float(yj.mean())))
-    return out

@@ -180,7 +180,7 @@ def export_synthetic(cfg: TrainConfig, out: str | Path, train_examples: int) -> 
     n_train = -(-train_examples // b)
     splits: dict[str, Iterable[GemBatch]] = {
         "train": (ds.make_batch("train", i, b).batch for i in range(n_train)),
-        "test": (ds.get("eval", i, eb).batch for i in range(ds.held_out_batches("eval", eb))),
+        "test": (ds.get("test", i, eb).batch for i in range(ds.held_out_batches("test", eb))),
     }
     if cfg.data.synthetic.valid_examples:
         splits["valid"] = (ds.get("valid", i, eb).batch for i in range(ds.held_out_batches("valid", eb)))

@@ -45,6 +45,7 @@ from gem_train.data.parquet.config import ParquetConfig
 from gem_train.data.parquet.convert import Block, Converter, Provenance
 from gem_train.data.parquet.errors import ParquetDataError, where
 from gem_train.data.parquet.schema import SPLITS, ParquetLayout, SplitFiles, resolve_root, split_files
+from gem_train.data.split import Split
 
 __all__ = ["CountingLoader", "ParquetBatch", "ParquetSource", "ParquetStream"]
 
@@ -122,7 +123,7 @@ class ParquetStream(IterableDataset):
     def __init__(
         self,
         source: ParquetSource,
-        split: str,
+        split: Split,
         batch_size: int,
         rank: int,
         world_size: int,
@@ -215,14 +216,14 @@ class ParquetSource:
         files = self.files.get(split)
         return files.num_rows if files is not None else 0
 
-    def num_batches(self, split: str, batch_size: int) -> int:
+    def num_batches(self, split: Split, batch_size: int) -> int:
         """Held-out splits: ``ceil(rows / B)`` (0: no such split); train: ``max(1, rows // B)`` per epoch."""
         if split not in SPLITS:
-            raise ValueError(f"split must be 'train', 'valid' or 'eval', got {split!r}")
+            raise ValueError(f"split must be 'train', 'valid' or 'test', got {split!r}")
         n = self.rows(split)
         return max(1, n // batch_size) if split == "train" else -(-n // batch_size)
 
-    def get(self, split: str, index: int, batch_size: int) -> LoadedBatch:
+    def get(self, split: Split, index: int, batch_size: int) -> LoadedBatch:
         """Batch ``index`` by random access (the whole split in memory; ``shuffle = "global"`` order for
         train, file order for held-out splits)."""
         block = self._in_memory(split)
@@ -244,10 +245,10 @@ class ParquetSource:
     # -- loader hooks (gem_train.data.loader) -------------------------------------------------------------
 
     def make_stream(
-        self, split: str, batch_size: int, *, rank: int, world_size: int, start: int, max_batches: int,
+        self, split: Split, batch_size: int, *, rank: int, world_size: int, start: int, max_batches: int,
         num_workers: int,
     ) -> IterableDataset:  # fmt: skip
-        """The stream of one rank for the DataLoader (``split``: "train", "valid" or "eval")."""
+        """The stream of one rank for the DataLoader (``split``: "train", "valid" or "test")."""
         if self.cfg.shuffle == "global":
             if split == "train":
                 return BatchStream(self, split, batch_size, rank, world_size, start=start)
@@ -351,7 +352,14 @@ class ParquetSource:
             epoch += 1
 
     def _held_out_batches(
-        self, split: str, batch_size: int, rank: int, world: int, worker: int, workers: int, max_batches: int
+        self,
+        split: Split,
+        batch_size: int,
+        rank: int,
+        world: int,
+        worker: int,
+        workers: int,
+        max_batches: int,
     ) -> Iterator[ParquetBatch]:
         files = self.files.get(split)
         if files is None:

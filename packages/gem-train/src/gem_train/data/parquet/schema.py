@@ -20,7 +20,7 @@ from gem_train.data.parquet.errors import ParquetDataError
 
 __all__ = ["ParquetLayout", "SplitFiles", "resolve_root", "split_files"]
 
-SPLITS = {"train": "train", "valid": "valid", "eval": "test"}  # loader split -> config key
+SPLITS = {"train": "train", "valid": "valid", "test": "test"}  # loader split -> config key
 
 
 def resolve_root(root: str) -> Path:

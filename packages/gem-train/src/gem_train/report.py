@@ -1,0 +1,52 @@
+"""What a finished run leaves for its reader: ``eval.json`` and the plots of its run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gem_train.checkpoint import best_checkpoint, read_trainer_state
+from gem_train.evaluation import EvalResult
+from gem_train.logger import read_metrics
+from gem_train.plots import plot_curves, plot_reliability
+from gem_train.run_dir import RunDir
+
+__all__ = ["write_final"]
+
+
+def write_final(
+    run: RunDir,
+    tasks: tuple[str, ...],
+    ev: EvalResult,
+    last_checkpoint: Path | None,
+    select_task: str,
+    best: EvalResult | None = None,
+    best_value: float | None = None,
+) -> None:
+    """``eval.json`` (the test split of the final model and, with selection, of the best-validation
+    checkpoint ``best`` with validation value ``best_value``), then the loss/NE curves and the
+    reliability plot. Rank 0 only."""
+    summary: dict[str, Any] = {
+        "step": ev.step,
+        "tasks": {t: m.as_dict() for t, m in ev.tasks.items()},
+        "ground_truth_ne": ev.ground_truth_ne,
+        "checkpoint": str(last_checkpoint) if last_checkpoint else None,
+    }
+    if best is not None and best_value is not None:
+        found = best_checkpoint(run.checkpoints)
+        sel = read_trainer_state(found).get("selection", {}) if found else {}
+        summary["best"] = {
+            "step": best.step,
+            "select_task": select_task,
+            "valid_ne": best_value,
+            "valid": sel.get("valid"),
+            "tasks": {t: m.as_dict() for t, m in best.tasks.items()},  # the test split
+            "ground_truth_ne": best.ground_truth_ne,
+            "checkpoint": str(found) if found else None,
+        }
+    tmp = run.eval_summary.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    tmp.replace(run.eval_summary)  # never a half-written eval.json
+    plot_curves(read_metrics(run.metrics), run.plots, tasks)
+    plot_reliability(ev.predictions, run.plots / "reliability.png")

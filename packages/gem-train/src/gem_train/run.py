@@ -1,0 +1,192 @@
+"""The one run builder: ``build_run(cfg) -> Run``, used by ``train``, ``bench`` and ``eval``.
+
+A :class:`Run` holds everything a training step needs: the process group and device, the data source, the
+model (and the module the step calls: compiled, wrapped for several processes), the optimizers and the
+autocast dtype. :meth:`Run.train_step` is *the* training step: the trainer runs it and ``gem-train bench``
+times it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gem_model import FeatureSpec, GemBatch, multitask_loss
+from gem_train.compile import apply_compile
+from gem_train.config import ConfigError, TrainConfig
+from gem_train.data.loader import BatchSource
+from gem_train.distributed import DistInfo, init_distributed
+from gem_train.mfu import device_peak_flops
+from gem_train.model_factory import BuiltModel, build_gem_config, build_model
+from gem_train.optim import build_optimizers, lr_factor, set_lr
+from gem_train.selection import check_selection
+
+__all__ = ["Run", "StepResult", "build_run", "build_source", "resolve_autocast"]
+
+
+def build_source(cfg: TrainConfig) -> BatchSource:
+    """The dataset of ``cfg.data.source``."""
+    if cfg.data.source == "synthetic":
+        from gem_train.data.synthetic import SyntheticAds
+
+        return SyntheticAds(cfg.data.synthetic, seed=cfg.run.seed)
+    if cfg.data.source == "parquet":  # your own files (issue 17)
+        from gem_train.data.parquet.reader import ParquetSource
+
+        return ParquetSource(cfg.data.parquet, seed=cfg.run.seed)
+    from gem_train.data.movielens import MovieLens100K
+
+    return MovieLens100K(cfg.data.movielens, seed=cfg.run.seed)
+
+
+def resolve_autocast(mode: str, device: torch.device) -> torch.dtype | None:
+    """``train.autocast`` -> the autocast dtype (None: fp32). "auto" is bf16 on a GPU that supports it."""
+    if mode == "none":
+        return None
+    bf16_ok = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    if mode == "auto":
+        return torch.bfloat16 if device.type == "cuda" and bf16_ok else None
+    if not bf16_ok:
+        raise ConfigError("train.autocast = 'bf16' but this GPU does not support bf16; use 'auto' or 'none'")
+    return torch.bfloat16
+
+
+@dataclass
+class StepResult:
+    """One training step: the loss (mean over ranks), the dense gradient norm, whether both are finite
+    (else no optimizer stepped), and the per-task masked BCE of this rank (detached, on the device)."""
+
+    loss: float
+    grad_norm: float
+    finite: bool
+    per_task: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    """What ``build_run`` made; see the module docstring."""
+
+    cfg: TrainConfig
+    dist: DistInfo
+    source: BatchSource
+    built: BuiltModel
+    train_model: nn.Module  # what the step calls: the model, compiled and/or wrapped for several processes
+    optimizers: list[torch.optim.Optimizer]
+    dense_params: list[nn.Parameter]
+    autocast_dtype: torch.dtype | None
+    peak_flops: float | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+    @property
+    def spec(self) -> FeatureSpec:
+        return self.source.spec
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(self.source.spec.tasks)
+
+    @property
+    def model(self) -> nn.Module:
+        """The model itself (parameter names as in checkpoints)."""
+        return self.built.model
+
+    @property
+    def dense_opt(self) -> torch.optim.Optimizer | None:
+        return self.optimizers[0] if self.dense_params else None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self, batch: GemBatch, step: int) -> StepResult:
+        """One training step on ``batch`` (on the device) at 0-based ``step``: learning rate, forward,
+        loss, backward, clipping, and the optimizer steps, unless the loss or the gradient norm is NaN/Inf
+        on some rank (then every rank drops the gradients, and the caller's NaN policy decides).
+
+        The loss and the dense gradient norm are read together, after the backward was queued: one host
+        sync per step.
+        """
+        cfg = self.cfg
+        if self.dense_opt is not None:
+            o = cfg.optim
+            set_lr(self.dense_opt, o.lr * lr_factor(step, cfg.train.steps, o.warmup_steps, o.min_lr_ratio))
+        with self.autocast():
+            logits = self.train_model(batch)
+        loss, per_task = multitask_loss(logits, batch)
+        loss.backward()
+        loss_value, gnorm = self._step_values(loss.detach(), self._clip())
+        finite = math.isfinite(loss_value) and math.isfinite(gnorm)
+        if finite:
+            for opt in self.optimizers:
+                opt.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return StepResult(loss_value, gnorm, finite, per_task)
+
+    def _step_values(self, loss: Tensor, grad_norm: Tensor) -> tuple[float, float]:
+        """``(loss, grad_norm)`` as floats in one device-to-host copy; the loss averaged over ranks.
+
+        Every rank must agree on skipping/stopping: a NaN anywhere is a NaN everywhere. The gradient norm
+        is the same on every rank after the gradient all-reduce, so averaging it changes nothing."""
+        x = torch.stack([loss.float(), grad_norm.to(loss.device, torch.float32)])
+        if self.dist.world_size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+            x = x / self.dist.world_size
+        loss_value, norm = x.tolist()
+        return loss_value, norm
+
+    def _clip(self) -> Tensor:
+        """Clip the dense gradients (``optim.grad_clip``; 0 = no clipping) and return their total norm."""
+        params = [p for p in self.dense_params if p.grad is not None]
+        if not params:
+            return torch.zeros((), device=self.device)
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def build_run(cfg: TrainConfig, *, training: bool = True) -> Run:
+    """Process group, device, data source, model, and (``training``) optimizers, compile and the
+    multi-process wrapper; the autocast dtype. ``training=False`` builds what evaluation needs.
+
+    Everything that can reject the config happens here, before a run directory exists: the dataset (a
+    corrupt MovieLens record), the selection task, the model's overrides.
+    """
+    d = init_distributed(cfg.run.device, cfg.run.cpu_threads)
+    source = build_source(cfg)
+    check_selection(cfg, source)
+    if cfg.model.arch == "gem":
+        build_gem_config(cfg.model, source.spec)
+    autocast_dtype = resolve_autocast(cfg.train.autocast, d.device)
+    built = build_model(cfg.model, source.spec, d.device, cfg.run.seed, cfg.precision)
+    model = built.model
+    peak = device_peak_flops(d.device, cfg.train.peak_flops)
+    if not training:
+        return Run(cfg, d, source, built, model, [], [], autocast_dtype, peak)
+    dense = list(model.dense_parameters())
+    sparse = list(model.sparse_parameters())
+    seen = {id(p) for p in dense + sparse}
+    # Anything the model lists in neither group trains with the dense optimizer.
+    dense += [p for p in model.parameters() if id(p) not in seen]
+    optimizers = build_optimizers(dense, sparse, cfg.optim)
+    train_model: nn.Module = model
+    if cfg.train.compile:
+        train_model = apply_compile(train_model)
+    if d.world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # Every parameter is replicated (DDP), embedding tables included.
+        train_model = DDP(
+            train_model,
+            device_ids=[d.device.index] if d.device.type == "cuda" else None,
+            find_unused_parameters=True,  # some tables/experts may see no ids in a batch
+        )
+    return Run(cfg, d, source, built, train_model, optimizers, dense, autocast_dtype, peak)

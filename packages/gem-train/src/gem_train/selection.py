@@ -1,0 +1,115 @@
+"""Model selection on the validation split: the best checkpoint so far, ``checkpoints/best``.
+
+With ``train.valid_every > 0`` the trainer evaluates the validation split every ``valid_every`` steps (and
+at the last step); :class:`BestSelection` keeps the checkpoint of the lowest validation NE of
+``train.select_task`` (or of the mean over tasks, ``"mean"``) in ``checkpoints/best`` (ties keep the earlier
+step), and at the end that checkpoint, loaded back from disk, is evaluated on the test split. The test split
+never takes part in the choice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gem_train.checkpoint import best_checkpoint, load_checkpoint, read_trainer_state, save_best_checkpoint
+from gem_train.config import ConfigError, TrainConfig
+from gem_train.data.loader import BatchSource
+from gem_train.evaluation import EvalResult, evaluate_model, selection_value
+from gem_train.logger import MetricsLogger
+from gem_train.model_factory import build_model
+
+if TYPE_CHECKING:
+    from gem_train.run import Run
+
+__all__ = ["BestSelection", "check_selection"]
+
+
+def check_selection(cfg: TrainConfig, source: BatchSource) -> None:
+    """``train.select_task`` names a task of the dataset (checked even when no selection runs: every config
+    value is checked), and ``train.valid_every > 0`` has a validation split to evaluate."""
+    t = cfg.train
+    tasks = tuple(source.spec.tasks)
+    if t.select_task != "mean" and t.select_task not in tasks:
+        raise ConfigError(
+            f"train.select_task = {t.select_task!r} is not a task of this dataset ({', '.join(tasks)}) "
+            "nor 'mean'"
+        )
+    if t.valid_every and not source.num_batches("valid", cfg.data.eval_batch_size):
+        key = {
+            "movielens-100k": "data.movielens.valid_fraction",
+            "parquet": "data.parquet.valid (files)",
+        }.get(cfg.data.source, "data.synthetic.valid_examples")
+        raise ConfigError(
+            f"train.valid_every = {t.valid_every} needs a validation split, but the dataset has none "
+            f"(set {key} > 0, or train.valid_every = 0)"
+        )
+
+
+class BestSelection:
+    """The best-validation checkpoint of a run: ``best`` is ``(step, selection value)`` or None.
+
+    On resume, a best checkpoint written after the resumed step belongs to a future this run recomputes
+    (exactly, on the CPU), so it is dropped.
+    """
+
+    def __init__(self, run: Run, checkpoints: Path, resumed_step: int | None) -> None:
+        self.run = run
+        self.checkpoints = checkpoints
+        self.best: tuple[int, float] | None = None
+        if not run.cfg.train.valid_every:
+            return
+        found = best_checkpoint(checkpoints)
+        if found is None:
+            return
+        st = read_trainer_state(found)
+        sel = st.get("selection", {})
+        if resumed_step is not None and int(st["step"]) <= resumed_step and "value" in sel:
+            self.best = (int(st["step"]), float(sel["value"]))
+        elif run.dist.is_main:
+            (checkpoints / "best").unlink()
+
+    def validate(self, step: int, logger: MetricsLogger, extra: dict[str, Any]) -> None:
+        """Evaluate the validation split at ``step``; save ``checkpoints/best`` if the selection NE is a new
+        minimum (``extra``: the JSON trainer state to store with it)."""
+        r, cfg = self.run, self.run.cfg
+        ev = evaluate_model(
+            r.model, r.source, cfg, r.dist, r.autocast_dtype, step, cfg.train.valid_batches, "valid"
+        )
+        value = selection_value(ev, cfg.train.select_task)
+        row = ev.as_flat_dict()
+        row["select_ne"] = value
+        logger.log(step, "valid", row)
+        if math.isfinite(value) and (self.best is None or value < self.best[1]):
+            self.best = (step, value)
+            extra = dict(extra)
+            extra["selection"] = {
+                "task": cfg.train.select_task,
+                "value": value,
+                "valid": {t: m.as_dict() for t, m in ev.tasks.items()},
+            }
+            save_best_checkpoint(self.checkpoints, step, r.model, r.optimizers, extra, background=True)
+
+    def evaluate_best(
+        self, should_stop: Callable[[], bool] | None = None, checkpoints: Path | None = None
+    ) -> EvalResult | None:
+        """The test split of the best-validation checkpoint (of ``checkpoints``, default this run's), loaded
+        from disk into a fresh model (None if there is none)."""
+        found = best_checkpoint(checkpoints or self.checkpoints)
+        if found is None:
+            return None
+        r, cfg = self.run, self.run.cfg
+        model = build_model(cfg.model, r.spec, r.device, cfg.run.seed, cfg.precision).model
+        state = load_checkpoint(found, model, None, restore_rng=False)
+        return evaluate_model(
+            model,
+            r.source,
+            cfg,
+            r.dist,
+            r.autocast_dtype,
+            step=int(state["step"]),
+            max_batches=cfg.train.eval_batches,
+            should_stop=should_stop,
+        )
