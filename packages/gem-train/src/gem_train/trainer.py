@@ -43,6 +43,12 @@ from gem_train.train_log import TrainWindow
 __all__ = ["NonFiniteLossError", "StopNow", "TrainResult", "Trainer"]
 
 
+def _data_stream_state(source: Any, world_size: int, num_workers: int) -> dict[str, Any]:
+    """``{"data_stream": ...}`` for a source whose position needs its layout (gem_train.data.parquet)."""
+    state = getattr(source, "stream_state", None)
+    return {"data_stream": state(world_size, num_workers)} if state is not None else {}
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss (or the dense gradient norm) became NaN/Inf; the message names the step."""
 
@@ -93,6 +99,8 @@ class Trainer:
         self.skipped = 0
         if resume_from is not None:
             state = load_checkpoint(resume_from, self.model, self.optimizers)
+            if hasattr(self.setup.source, "check_resume"):  # a streamed position needs the same layout
+                self.setup.source.check_resume(state, self.dist.world_size, cfg.data.num_workers)
             self.start_step = int(state["step"])
             self.skipped = int(state.get("skipped_batches", 0))
             if self.dist.is_main:
@@ -136,6 +144,7 @@ class Trainer:
             "data_position": step,  # batches consumed by each rank
             "skipped_batches": self.skipped,
             "saved_at": _dt.datetime.now(_dt.UTC).isoformat(),
+            **_data_stream_state(self.setup.source, self.dist.world_size, self.cfg.data.num_workers),
         }
 
     def save(self, step: int) -> Path:

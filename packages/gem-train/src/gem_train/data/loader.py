@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -90,7 +90,7 @@ def _ignore_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _loader(stream: BatchStream, num_workers: int, pin: bool) -> DataLoader:
+def _loader(stream: IterableDataset, num_workers: int, pin: bool) -> DataLoader:
     return DataLoader(
         stream,
         batch_size=None,  # the source makes whole batches
@@ -105,6 +105,21 @@ def _loader(stream: BatchStream, num_workers: int, pin: bool) -> DataLoader:
     )
 
 
+def _own_stream(
+    source: Any, split: str, batch_size: int, rank: int, world_size: int, start: int, max_batches: int,
+    num_workers: int, pin: bool,
+) -> Any:  # fmt: skip
+    """The DataLoader of a source that makes its own streams (``make_stream``), or the source's wrapper of
+    it (``wrap_loader``: it counts what the workers report, e.g. skipped bad rows)."""
+    stream = source.make_stream(
+        split, batch_size, rank=rank, world_size=world_size, start=start, max_batches=max_batches,
+        num_workers=num_workers,
+    )  # fmt: skip
+    loader = _loader(stream, num_workers, pin)
+    wrap = getattr(source, "wrap_loader", None)
+    return wrap(loader, split) if wrap is not None else loader
+
+
 def make_train_loader(
     source: BatchSource,
     batch_size: int,
@@ -116,6 +131,8 @@ def make_train_loader(
     pin_memory: bool = False,
 ) -> DataLoader:
     """The endless training stream of this rank, from this rank's batch ``start`` on."""
+    if hasattr(source, "make_stream"):  # a source with its own streams (gem_train.data.parquet)
+        return _own_stream(source, "train", batch_size, rank, world_size, start, 0, num_workers, pin_memory)
     stream = BatchStream(source, "train", batch_size, rank, world_size, start=start)
     return _loader(stream, num_workers, pin_memory)
 
@@ -134,6 +151,10 @@ def make_eval_loader(
     """This rank's share of a held-out split: ``split`` "test" (the default) or "valid" (validation);
     all of it, or the first ``max_batches`` batches."""
     check_split(split, HELD_OUT)
+    if hasattr(source, "make_stream"):  # a source with its own streams (gem_train.data.parquet)
+        return _own_stream(
+            source, split, batch_size, rank, world_size, 0, max_batches, num_workers, pin_memory
+        )
     total = source.num_batches(split, batch_size)
     if total is None:
         raise ValueError(f"the {split} split must be finite")
