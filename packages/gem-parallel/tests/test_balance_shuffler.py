@@ -104,7 +104,7 @@ def test_balance_beats_random_on_skewed_lengths() -> None:
     """Log-normal lengths (sigma 0.7), linear cost, 16 ranks with their own data, 12 steps of 32 samples.
     Measured excess of the heaviest rank over the mean: random 0.29; pool policies 0.16-0.17 (the pool's
     own noise, 1/sqrt(3) of random's); sliding 0.11 from a cold start (its running mean is still noisy)
-    and 0.017 when the mean cost per sample is known. Bounds leave ~20% room over those."""
+    and 0.010 when the mean cost per sample is known (feedback 0.01). Bounds leave room over those."""
     steps = 12
     excess = {p: sum(_step_ratios(p, 16, steps)) / steps - 1 for p in POLICIES}
     known = sum(_step_ratios("sliding", 16, steps, mean_cost=math.exp(4 + 0.7**2 / 2))) / steps - 1
