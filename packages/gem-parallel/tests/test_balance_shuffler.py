@@ -130,3 +130,25 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="source ended"):
         _make(_source(2), "sliding").load_state_dict({**state, "next_ordinal": 50})
     assert list(_make([], "sliding")) == []
+
+
+def test_sliding_wait_is_bounded() -> None:
+    """A sample read while batch k is built is emitted by batch k + max_wait at the latest (while fewer
+    than a batch of samples are overdue at once, which a pool of 3 batches keeps at max_wait 4)."""
+    src = _source(80, seed=4, ragged=False)
+    read_at: dict[int, int] = {}
+    built = [0]
+
+    def source(start: int):
+        for sb in src[start:]:
+            for uid, _ in sb:
+                read_at[uid] = built[0]
+            yield sb
+
+    sh = _make(source, "sliding", max_wait=4)
+    waits = []
+    while (batch := sh.next_batch()) is not None:
+        waits += [built[0] - read_at[uid] for uid, _ in batch]
+        built[0] += 1
+    assert len(waits) == 80 * SB and max(waits) <= 4
+    assert max(waits) == 4  # the bound binds: some samples did wait that long
