@@ -83,7 +83,7 @@ class BaseBatchShuffler(Generic[SubBatch, Batch]):
         pool_batches: int = 4,
         seed: int = 0,
         policy: str = "sliding",
-        feedback: float = 0.02,
+        feedback: float = 0.01,
         max_wait: int | None = None,
         mean_cost: float | None = None,
     ) -> None:

@@ -60,10 +60,10 @@ class SimConfig:
     sub_batch_size: int = 128
     sub_batches_per_batch: int = 8
     pool_batches: int = 4
-    feedback: float = 0.02
+    feedback: float = 0.01
     max_wait: int | None = None
     steps: int = 100
-    warmup: int = 100
+    warmup: int = 200
     history: int = 1000
     sim_ranks: int = 128
     global_steps: int = 4
