@@ -568,15 +568,21 @@ def load_checkpoint(
     model: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer] | None,
     restore_rng: bool = True,
+    *,
+    reshard: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint in place into ``model`` (and ``optimizers``, and this rank's RNG); all ranks call.
 
-    The checkpoint is verified first (:func:`verify_checkpoint`). Resuming the training state
-    (``optimizers`` or ``restore_rng``) needs the world size the checkpoint was written with; loading the
-    model alone (evaluation) works on any world size.
+    The checkpoint is verified first (:func:`verify_checkpoint`). Model and optimizer tensors are FQN-keyed
+    and loaded by DCP, which reshards them: a checkpoint of FSDP2 DTensors loads into a plain model (one
+    process) and the other way round, on any world size. Resuming on another world size than the one that
+    wrote the checkpoint needs ``reshard=True``; the RNG states are per rank, so they are then *not*
+    restored (``trainer_state["resharded"]`` is True) and the caller reseeds. Loading the model alone
+    (evaluation) works on any world size.
 
     Returns the JSON trainer state (``step``, data position, config, ...). Raises :class:`CheckpointError`
-    if the checkpoint is incomplete, damaged, unsafe, of another world size, or does not match the model.
+    if the checkpoint is incomplete, damaged, unsafe, of another world size (without ``reshard``), or does
+    not match the model.
     """
     ckpt_dir = Path(ckpt_dir)
     verify_checkpoint(ckpt_dir)
@@ -584,13 +590,14 @@ def load_checkpoint(
     rank, world = _rank(), _world()
     optimizers = optimizers or []
     saved_world = trainer_state["world_size"]
-    if (optimizers or restore_rng) and saved_world != world:
+    if (optimizers or restore_rng) and saved_world != world and not reshard:
         raise CheckpointError(
             f"checkpoint {ckpt_dir} was written by {saved_world} process(es) and this run has {world}: "
-            "resuming on another world size is not supported (its RNG states and data positions are per "
-            f"rank); resume with {saved_world} process(es), or evaluate it with `gem-train eval --checkpoint`"
+            "its RNG states are per rank; resume with reshard=True (the trainer does: the data position "
+            "carries over, the RNG streams are reseeded), or evaluate it with `gem-train eval --checkpoint`"
             " (any world size)"
         )
+    restore_rng = restore_rng and saved_world == world
     model_sd, optim_sd = get_state_dict(model, optimizers)
     rng_tensors, _ = capture_rng_state()
     state: dict[str, Any] = {"model": model_sd}
@@ -606,17 +613,25 @@ def load_checkpoint(
             f"cannot load checkpoint {ckpt_dir} into this model: {_dcp_error_line(e)}"
         ) from e
     if optimizers:
+        # The hyper-parameters are the saved ones; the parameter names are this rank's (under expert
+        # parallelism each rank holds other experts, and only rank 0's groups are in the JSON).
+        saved = _restore_groups(trainer_state["optim_param_groups"])
+        current = cast(list[dict[str, Any]], optim_sd["param_groups"])
+        if len(saved) != len(current):
+            raise CheckpointError(
+                f"cannot load checkpoint {ckpt_dir}: {len(saved)} optimizer parameter groups, this run has "
+                f"{len(current)}"
+            )
+        groups = [{**g, "params": c["params"]} for g, c in zip(saved, current, strict=True)]
         set_state_dict(
             model,
             optimizers,
             model_state_dict=state["model"],
-            optim_state_dict={
-                "state": state["optim"],
-                "param_groups": _restore_groups(trainer_state["optim_param_groups"]),
-            },
+            optim_state_dict={"state": state["optim"], "param_groups": groups},
         )
     else:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     if restore_rng:
         restore_rng_state(state[f"rng/rank{rank}"], trainer_state["rng_plain"][rank])
+    trainer_state["resharded"] = saved_world != world
     return trainer_state

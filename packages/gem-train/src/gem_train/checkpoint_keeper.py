@@ -25,7 +25,15 @@ from gem_train.checkpoint import (
 )
 from gem_train.distributed import DistInfo
 
-__all__ = ["CheckpointKeeper", "is_step_checkpoint"]
+__all__ = ["CheckpointKeeper", "data_position", "is_step_checkpoint"]
+
+
+def data_position(state: dict[str, Any]) -> int:
+    """The training stream's position in a checkpoint's trainer state, in global batches consumed (older
+    checkpoints stored the batches consumed by each rank)."""
+    if state.get("data_position_unit") == "global_batches":
+        return int(state["data_position"])
+    return int(state["data_position"]) * int(state["world_size"])
 
 
 def is_step_checkpoint(path: Path) -> bool:
