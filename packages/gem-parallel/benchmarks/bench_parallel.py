@@ -122,7 +122,7 @@ def parallel_model(config, args, dims, mesh, *, policy="none", saved="bf16", all
             apply_saved_activation_compression(model, saved)
         return model
     cfg = ParallelConfig(
-        fsdp=FSDPConfig(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        fsdp=FSDPConfig(param_dtype=param_dtype, reduce_dtype=torch.float32, wrap_single_rank=True),
         activation_checkpointing=policy, memory_budget=args.memory_budget, compile=policy == "budget",
         saved_activations=saved, all_gather=all_gather, all_gather_min_numel=args.all_gather_min_numel,
     )  # fmt: skip

@@ -111,6 +111,7 @@ def test_uncaught_misconfiguration_ends_every_rank():
         ({"compile": "yes"}, "ParallelConfig.compile"),
         ({"fsdp": {"param_dtype": "int8"}}, "FSDPConfig.param_dtype"),
         ({"fsdp": {"prefetch": -1}}, "FSDPConfig.prefetch"),
+        ({"fsdp": {"wrap_single_rank": 1}}, "FSDPConfig.wrap_single_rank"),
         ({"precision": "mxfp8"}, "ParallelConfig.precision"),
     ],
 )
@@ -123,3 +124,33 @@ def test_config_normalises_dtypes():
     cfg = ParallelConfig(fsdp={"param_dtype": "bf16", "reduce_dtype": "fp32"}, memory_budget=1)
     assert cfg.fsdp == FSDPConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     assert cfg.memory_budget == 1.0 and isinstance(cfg.memory_budget, float)
+
+
+def _single_rank_worker(rank: int, world_size: int) -> dict[str, tuple[int, int]]:
+    """(DTensor parameters, quantized all-gather weights) after parallelize on one rank, per setting."""
+    from torch.distributed.tensor import DTensor
+
+    from gem_parallel import QuantizedAllGatherWeight
+
+    dims = ParallelDims()
+    mesh = dims.build_mesh("cpu")
+    out = {}
+    for name, fsdp in (("default", FSDPConfig()), ("wrapped", FSDPConfig(wrap_single_rank=True))):
+        model = parallelize(
+            build_model(small_config()), dims, mesh,
+            ParallelConfig(fsdp=fsdp, all_gather="fp8", all_gather_min_numel=1),
+        )  # fmt: skip
+        params = [p for p in model.parameters()]
+        dtensors = [p for p in params if isinstance(p, DTensor)]
+        quantized = [p for p in dtensors if isinstance(p.to_local(), QuantizedAllGatherWeight)]
+        out[name] = (len(dtensors), len(quantized))
+        out[name + "_n"] = (len(params), 0)
+    return out
+
+
+@pytest.mark.distributed
+def test_one_rank_mesh_skips_fsdp_unless_asked():
+    (out,) = run_distributed(__file__, "_single_rank_worker", world_size=1, timeout_s=60)
+    assert out["default"] == (0, 0), out  # nothing to shard on one rank: the model stays plain
+    n_params = out["wrapped_n"][0]
+    assert out["wrapped"][0] == n_params and out["wrapped"][1] > 0, out

@@ -94,6 +94,40 @@ def _four(rank: int, world_size: int, out: str) -> dict:
     }  # fmt: skip
 
 
+def _default_layout(rank: int, world_size: int, out: str) -> dict:
+    """No [parallel] section: FSDP2 over both ranks, the tables TorchRec-sharded 1D (fused row-wise
+    Adagrad). An uninterrupted run, and the same run stopped after step 2 and resumed."""
+    torch.set_num_threads(1)
+    extra = ("train.steps=4", "checkpoint.every=2")
+    full = Trainer(_cfg(Path(out) / "full", *extra)).fit()
+    first = Trainer(_cfg(Path(out) / "split", *extra)).fit(stop_after=2)
+    second = Trainer(_cfg(Path(out) / "split", *extra), resume=first.last_checkpoint).fit()
+    assert full.final_eval is not None and second.final_eval is not None
+    return {
+        "strategy": _strategy(full.run_dir), "full": full.losses,
+        "first": first.losses, "second": second.losses,
+        "ne": full.final_eval.tasks["ctr"].ne, "ne_resumed": second.final_eval.tasks["ctr"].ne,
+        "count": full.final_eval.tasks["ctr"].count,
+    }  # fmt: skip
+
+
+def _strategy(run_dir: Path) -> str | None:
+    from gem_train.checkpoint import read_trainer_state
+
+    return read_trainer_state(list_checkpoints(run_dir / "checkpoints")[-1]).get("sparse_strategy")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_default_layout_two_ranks_sharded_tables_resume_exactly(tmp_path):
+    out = run_distributed(__file__, "_default_layout", 2, kwargs={"out": str(tmp_path)}, timeout_s=400)
+    r = out[0]
+    assert r["strategy"] == "1d"  # the tables were TorchRec-sharded, their optimizer state checkpointed
+    assert len(r["full"]) == 4 and all(math.isfinite(v) for v in r["full"])
+    assert r["first"] + r["second"] == r["full"]  # bit-identical after the resume
+    assert r["ne_resumed"] == r["ne"] and r["count"] == 100  # both ranks' shares of the 100 test examples
+
+
 def _resume_two(rank: int, world_size: int, ckpt: str, out: str) -> dict:
     torch.set_num_threads(1)
     seen: list[int] = []

@@ -66,12 +66,17 @@ class FSDPConfig:
             keeps them until backward (ZeRO-2: one all-gather per step, more memory).
         prefetch: layers whose all-gather is issued ahead, in forward (next layers) and backward (previous
             layers), beyond FSDP2's implicit one; 0 leaves FSDP2's default.
+        wrap_single_rank: apply ``fully_shard`` even when the dense mesh has one rank. Off by default, as in
+            torchtitan (FSDP only when the shard degree is > 1): on one rank there is nothing to shard or
+            reduce, and FSDP2's per-parameter hooks and copies cost +21-28% step time on ``base`` (one H200,
+            eager, host-bound: see gem-parallel's BENCHMARKS.md). On for benchmarks of FSDP itself.
     """
 
     param_dtype: torch.dtype | str | None = None
     reduce_dtype: torch.dtype | str | None = torch.float32
     reshard_after_forward: bool = True
     prefetch: int = 1
+    wrap_single_rank: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _as_dtype("FSDPConfig", "param_dtype", self.param_dtype))
@@ -81,6 +86,8 @@ class FSDPConfig:
                 f"FSDPConfig.reshard_after_forward must be a bool, got {self.reshard_after_forward!r}"
             )
         _check_int("FSDPConfig", "prefetch", self.prefetch, 0)
+        if not isinstance(self.wrap_single_rank, bool):
+            raise ValueError(f"FSDPConfig.wrap_single_rank must be a bool, got {self.wrap_single_rank!r}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,7 @@ class ParallelConfig:
             or "fully_sharded_2d"; None leaves the tables as they are, and FSDP treats them as ordinary
             dense parameters.
         embedding_sync_every: with 2D sharding, steps between weight syncs of the table replicas.
+        embedding_lr / embedding_eps: of the row-wise Adagrad fused into the sharded tables' backward.
     """
 
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -123,6 +131,8 @@ class ParallelConfig:
     precision: Any = None
     embeddings: Literal["1d", "2d", "fully_sharded_2d"] | None = None
     embedding_sync_every: int = 1
+    embedding_lr: float = 0.05
+    embedding_eps: float = 1e-8
 
     def __post_init__(self) -> None:
         owner = "ParallelConfig"
@@ -155,3 +165,7 @@ class ParallelConfig:
         if self.embeddings is not None:
             _check_choice(owner, "embeddings", self.embeddings, EMBEDDING_STRATEGIES)
         _check_int(owner, "embedding_sync_every", self.embedding_sync_every, 1)
+        for name in ("embedding_lr", "embedding_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise ValueError(f"{owner}.{name} must be a float > 0, got {v!r}")

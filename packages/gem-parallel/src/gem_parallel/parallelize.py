@@ -7,7 +7,8 @@ It applies, in this order and only here (torchtitan's order):
    checkpoint traced inside the compiled function), plus FP8 storage of saved activations;
 4. expert parallelism (every expert ensemble sharded over the ``ep`` axis);
 5. FSDP2: the 8-bit all-gather's weight wrapping, then ``fully_shard`` of each expert (own mesh), each
-   layer, the embeddings (unless TorchRec shards them) and the root;
+   layer, the embeddings (unless TorchRec shards them) and the root; skipped on a one-rank mesh unless
+   ``FSDPConfig.wrap_single_rank`` (see :func:`fsdp_applies`);
 6. embedding sharding (the sparse half of gem-parallel), if ``config.embeddings``.
 
 Everything that can be wrong with the request is checked first, without any collective, so every rank
@@ -35,7 +36,14 @@ from gem_parallel.dims import DENSE_AXES, ParallelDims
 from gem_parallel.expert import apply_expert_parallel, check_expert_parallel, expert_ensembles
 from gem_parallel.fsdp import apply_fsdp
 
-__all__ = ["parallelize"]
+__all__ = ["fsdp_applies", "parallelize"]
+
+
+def fsdp_applies(dims: ParallelDims, config: ParallelConfig) -> bool:
+    """Whether ``parallelize`` wraps the model in FSDP2: when the dense mesh has more than one rank, or
+    ``config.fsdp.wrap_single_rank`` asks for it (on one rank FSDP2 has nothing to shard or reduce and only
+    costs step time; the 8-bit all-gather is then off too, since nothing is gathered)."""
+    return dims.dp_replicate * dims.dp_shard > 1 or config.fsdp.wrap_single_rank
 
 
 def _sparse_params(model: nn.Module) -> set[nn.Parameter]:
@@ -60,7 +68,13 @@ def _shard_sizes(
     return {n: dims.efsdp if any(n.startswith(p) for p in prefixes) else dims.dp_shard for n in names}
 
 
-def _validate(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: ParallelConfig) -> None:
+def _validate(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    sparse_mesh: DeviceMesh | None = None,
+) -> None:
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"parallelize: config must be a ParallelConfig, got {type(config).__name__}")
     layers = getattr(model, "layers", None)
@@ -85,6 +99,14 @@ def _validate(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: Pa
     if config.activation_checkpointing == "budget":
         check_no_dropout(model)
     ignored = _sparse_params(model) if config.embeddings is not None else set()
+    if config.embeddings is not None:
+        # The sparse half checks everything it will need (strategy, groups, mesh, plan) without a collective.
+        from gem_parallel.sparse.shard import check_sharding
+
+        check_sharding(
+            model, dims, sparse_mesh, strategy=config.embeddings, sync_every=config.embedding_sync_every,
+            lr=config.embedding_lr, eps=config.embedding_eps,
+        )  # fmt: skip
     if config.all_gather != "bf16":
         targets = quantized_all_gather_targets(model, config.all_gather_min_numel, ignored)
         names = [n for n, _ in targets]
@@ -115,7 +137,7 @@ def parallelize(
     Raises:
         ValueError / TypeError: a misconfiguration, on every rank, before any collective.
     """
-    _validate(model, dims, mesh, config)
+    _validate(model, dims, mesh, config, sparse_mesh)
     if config.precision is not None:
         from gem_precision import convert
 
@@ -127,16 +149,18 @@ def parallelize(
         apply_saved_activation_compression(model, config.saved_activations)
     experts = apply_expert_parallel(model, mesh["ep"]) if config.expert_parallel and dims.ep > 1 else []
     ignored = _sparse_params(model) if config.embeddings is not None else set()
-    if config.all_gather != "bf16":
-        enable_quantized_all_gather(
-            quantized_all_gather_targets(model, config.all_gather_min_numel, ignored), config.all_gather
-        )
-    apply_fsdp(model, mesh, dims, config.fsdp, experts=experts, ignored_params=ignored)
+    if fsdp_applies(dims, config):
+        if config.all_gather != "bf16":
+            enable_quantized_all_gather(
+                quantized_all_gather_targets(model, config.all_gather_min_numel, ignored), config.all_gather
+            )
+        apply_fsdp(model, mesh, dims, config.fsdp, experts=experts, ignored_params=ignored)
     # --- embedding sharding: the sparse half of gem-parallel (gem_parallel.sparse) -------------------------
     if config.embeddings is not None:
         from gem_parallel.sparse import shard_embeddings
 
         model = shard_embeddings(
-            model, dims, sparse_mesh, strategy=config.embeddings, sync_every=config.embedding_sync_every
-        )
+            model, dims, sparse_mesh, strategy=config.embeddings, sync_every=config.embedding_sync_every,
+            lr=config.embedding_lr, eps=config.embedding_eps,
+        )  # fmt: skip
     return model

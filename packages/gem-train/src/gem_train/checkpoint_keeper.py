@@ -25,7 +25,22 @@ from gem_train.checkpoint import (
 )
 from gem_train.distributed import DistInfo
 
-__all__ = ["CheckpointKeeper", "data_position", "is_step_checkpoint"]
+__all__ = ["CheckpointKeeper", "data_position", "is_step_checkpoint", "reshard_note"]
+
+
+def reshard_note(state: dict[str, Any], world: int, position: int) -> str:
+    """What a resume on another world size carries over and what it cannot (said at start-up)."""
+    reset = (
+        "; the tables' row-wise Adagrad accumulators restart at zero (TorchRec-sharded tables on one side "
+        "only)"
+        if state.get("sparse_state_reset")
+        else ""
+    )
+    return (
+        f"resuming a {state['world_size']}-process checkpoint on {world} process(es): model and optimizer "
+        f"states resharded, the data stream continues at global batch {position}; the per-rank RNG streams "
+        f"are reseeded, so the run is not bit-identical to one that kept its world size{reset}"
+    )
 
 
 def data_position(state: dict[str, Any]) -> int:
@@ -60,7 +75,12 @@ class CheckpointKeeper:
             self.last_good = older[-1] if older else None
 
     def save(
-        self, step: int, model: nn.Module, optimizers: list[torch.optim.Optimizer], extra: dict[str, Any]
+        self,
+        step: int,
+        model: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        extra: dict[str, Any],
+        sparse: Any = None,
     ) -> Path:
         """Checkpoint the current state as ``step`` (all ranks call). The last good checkpoint is kept
         whatever ``keep_last`` says until a finite step confirms this one.
@@ -69,8 +89,9 @@ class CheckpointKeeper:
         background (:func:`gem_train.checkpoint.wait_for_checkpoints`)."""
         protect = [self.last_good] if self.last_good is not None else []
         path = save_checkpoint(
-            self.root, step, model, optimizers, extra, self.keep_last, protect=protect, background=True
-        )
+            self.root, step, model, optimizers, extra, self.keep_last, protect=protect, background=True,
+            sparse=sparse,
+        )  # fmt: skip
         self.last = self.unconfirmed = path
         self.saved_step = step
         return path

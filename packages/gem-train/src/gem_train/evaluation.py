@@ -136,9 +136,14 @@ def evaluate_model(
     users: list[np.ndarray | None] = []
 
     def forward(lb: LoadedBatch) -> np.ndarray:
+        batch, n = lb.batch, lb.batch.batch_size
+        if dist_info.world_size > 1 and n < cfg.data.eval_batch_size:
+            # TorchRec-sharded tables need the same batch size on every rank (on the CPU): pad the short
+            # last batch with copies of its first example; their predictions are dropped.
+            batch = batch.select(list(range(n)) + [0] * (cfg.data.eval_batch_size - n))
         with ctx:
-            logits = model(lb.batch.to(device, non_blocking=True))
-        return torch.stack([torch.sigmoid(logits[t].float()) for t in tasks], 1).cpu().numpy()
+            logits = model(batch.to(device, non_blocking=True))
+        return torch.stack([torch.sigmoid(logits[t].float()) for t in tasks], 1)[:n].cpu().numpy()
 
     try:
         it = iter(loader)

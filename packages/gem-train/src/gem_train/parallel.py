@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,6 +49,9 @@ class Layout:
     dims: object | None  # gem_parallel.ParallelDims
     strategy: str | None
     wrapper: str  # "none" (one process), "ddp" or "parallelize"
+    # gem_parallel.sparse.SparseSharding of TorchRec-sharded tables (their optimizer is fused into the
+    # backward; ``step()`` syncs 2D replicas), or None.
+    sparse: Any = None
 
     @property
     def dp_replicate(self) -> int:
@@ -103,6 +107,9 @@ def apply_parallel(
             compile=cfg.train.compile,
             embeddings=strategy,  # type: ignore[arg-type]
             embedding_sync_every=p.sync_every,
+            # The fused row-wise Adagrad of TorchRec-sharded tables: gem-train's sparse optimizer settings.
+            embedding_lr=cfg.optim.sparse_lr,
+            embedding_eps=cfg.optim.sparse_eps,
         )
     except ValueError as e:
         raise ConfigError(f"parallel: {e} (world size {d.world_size})") from None
@@ -112,4 +119,4 @@ def apply_parallel(
         model = parallelize(model, dims, mesh, pcfg, sparse_mesh=sparse_mesh)
     except ValueError as e:  # raised on every rank before any collective
         raise ConfigError(f"parallel: {e}") from None
-    return model, Layout(dims, strategy, "parallelize")
+    return model, Layout(dims, strategy, "parallelize", getattr(model, "sparse_sharding", None))

@@ -35,7 +35,7 @@ def same_batches_losses(cfg: TrainConfig, world: int, steps: int | None = None) 
                 logits = run.train_model(batch)
             loss, _ = multitask_loss(logits, batch)
             (loss / world).backward()
-            total += float(loss) / world
+            total += float(loss.detach()) / world
         run._clip()
         for opt in run.optimizers:
             opt.step()

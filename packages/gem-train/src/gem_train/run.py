@@ -108,7 +108,8 @@ class Run:
     def train_step(self, batch: GemBatch, step: int) -> StepResult:
         """One training step on ``batch`` (on the device) at 0-based ``step``: learning rate, forward,
         loss, backward, clipping, and the optimizer steps, unless the loss or the gradient norm is NaN/Inf
-        on some rank (then every rank drops the gradients, and the caller's NaN policy decides).
+        on some rank (then every rank drops the gradients, and the caller's NaN policy decides; the tables of
+        TorchRec-sharded embeddings were already updated inside the backward, which cannot be undone).
 
         The loss and the dense gradient norm are read together, after the backward was queued: one host
         sync per step. Each rank's loss is the mean over its own batch; the gradients are averaged over
@@ -127,6 +128,8 @@ class Run:
         if finite:
             for opt in self.optimizers:
                 opt.step()
+            if self.layout.sparse is not None:
+                self.layout.sparse.step()  # 2D: the replicas' sync every sync_every steps
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return StepResult(loss_value, gnorm, finite, per_task)
@@ -181,5 +184,9 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> Run:
     seen = {id(p) for p in dense + sparse}
     # Anything the model lists in neither group trains with the dense optimizer.
     dense += [p for p in model.parameters() if id(p) not in seen]
+    if layout.sparse is not None:
+        # TorchRec-sharded tables train with the row-wise Adagrad fused into their backward.
+        tables = {id(p) for p in model.embeddings.parameters()}
+        dense, sparse = [p for p in dense if id(p) not in tables], []
     optimizers = build_optimizers(dense, sparse, cfg.optim)
     return Run(cfg, d, source, built, train_model, optimizers, dense, autocast_dtype, peak, layout)

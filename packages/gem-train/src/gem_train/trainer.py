@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from gem_train.checkpoint import best_checkpoint, load_checkpoint, wait_for_checkpoints
-from gem_train.checkpoint_keeper import CheckpointKeeper, data_position
+from gem_train.checkpoint_keeper import CheckpointKeeper, data_position, reshard_note
 from gem_train.config import TrainConfig, config_to_dict, dumps_toml
 from gem_train.data.loader import make_train_loader
 from gem_train.data.split import HeldOutSplit
@@ -66,8 +67,7 @@ class TrainResult:
 
 
 class Trainer:
-    """A training run of ``cfg``; ``resume`` is a checkpoint directory (or run directory, or "latest") to
-    continue from."""
+    """A training run of ``cfg``; ``resume``: a checkpoint, a run directory or "latest" to continue from."""
 
     def __init__(self, cfg: TrainConfig, resume: str | Path | None = None) -> None:
         self.cfg = cfg
@@ -95,7 +95,8 @@ class Trainer:
         self.data_offset = 0
         resharded = False
         if resume_from is not None:
-            state = load_checkpoint(resume_from, self.model, self.optimizers, reshard=True)
+            sparse = self.setup.layout.sparse
+            state = load_checkpoint(resume_from, self.model, self.optimizers, reshard=True, sparse=sparse)
             self.start_step = int(state["step"])
             self.skipped = int(state.get("skipped_batches", 0))
             self.data_offset = data_position(state)
@@ -104,10 +105,7 @@ class Trainer:
                 truncate_metrics(self.run.metrics, self.start_step)
             if resharded and self.dist.is_main:
                 print(
-                    f"gem-train: resuming a {state['world_size']}-process checkpoint on "
-                    f"{self.dist.world_size} process(es): model and optimizer states resharded, the data "
-                    f"stream continues at global batch {self.data_offset}; the per-rank RNG streams are "
-                    "reseeded, so the run is not bit-identical to one that kept its world size",
+                    f"gem-train: {reshard_note(state, self.dist.world_size, self.data_offset)}",
                     file=sys.stderr,
                 )
         resumed_step = self.start_step if resume_from is not None else None
@@ -158,7 +156,9 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         """Checkpoint the current state as ``step`` (all ranks call); see :class:`CheckpointKeeper`."""
-        return self.checkpoints.save(step, self.model, self.optimizers, self._extra(step))
+        return self.checkpoints.save(
+            step, self.model, self.optimizers, self._extra(step), self.setup.layout.sparse
+        )
 
     def evaluate(
         self,
@@ -257,8 +257,6 @@ class Trainer:
         total = cfg.train.steps
         step = self.start_step
         status = "completed"
-        from tqdm.auto import tqdm
-
         bar = tqdm(
             total=total,
             initial=step,
