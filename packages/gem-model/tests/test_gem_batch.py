@@ -146,3 +146,22 @@ def test_to_and_pin_memory_roundtrip():
     if torch.cuda.is_available():
         pinned = batch.pin_memory()
         assert pinned.dense.is_pinned()
+
+
+def test_host_lengths_cached_when_built_and_kept():
+    """The pooled-id KJT's per-key counts are host lists from construction on, through ``to`` and ``select``,
+    and match the device lengths; the sequence KJT's come from shapes."""
+    spec = _spec()
+    batch = gm.random_batch(spec, 7, seed=4)
+    lengths = batch.sparse.lengths().view(len(spec.sparse), 7)
+    want = lengths.sum(1).tolist()
+    assert batch.sparse._length_per_key == want  # torchrec's cache: length_per_key() reads no tensor
+    assert batch.sparse._offset_per_key == [0, want[0], want[0] + want[1]]
+    assert batch.to("cpu").sparse._length_per_key == want
+    sub = batch.select([6, 0, 3])
+    assert sub.sparse._length_per_key == lengths[:, [6, 0, 3]].sum(1).tolist()
+    kjt = gm.GemEmbeddings(gm.GemConfig(features=spec)).sequence_kjt(batch)
+    totals = [batch.sequences[s].total for s in ("hist", "ads")]
+    assert kjt._length_per_key == [totals[0], totals[0], totals[1], totals[1]]
+    assert kjt._length_per_key == kjt.lengths().view(4, 7).sum(1).tolist()
+    assert kjt._offset_per_key[-1] == kjt.values().numel()

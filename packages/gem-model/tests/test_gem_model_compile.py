@@ -1,10 +1,11 @@
 """The whole model under ``torch.compile`` on the CPU: same logits and gradients as eager.
 
-In the default run with the ``aot_eager`` backend: dynamo traces the whole model (TorchRec's KJT code breaks
-it into 5 graphs) and AOTAutograd builds the joint forward/backward graphs through the ops' fake
-implementations, so a change that breaks tracing fails CI; measured 33 s wall (18 s CPU, half of it
-imports) on the loaded 2-core machine. The same test with inductor (C++ code generation for every graph)
-took 217 s wall / 87 s CPU there: it is marked slow, as is the per-layer compile of larger configs.
+In the default run with the ``aot_eager`` backend: dynamo traces the whole model in one graph (the batch's
+KJTs carry their per-key lengths on the host, so TorchRec's ``to_dict`` does not break the graph on
+``.tolist()``; it broke it into 5 graphs before) and AOTAutograd builds the joint forward/backward graphs
+through the ops' fake implementations, so a change that breaks tracing fails CI; measured 33 s wall (18 s CPU,
+half of it imports) on the loaded 2-core machine. The same test with inductor (C++ code generation for every
+graph) took 217 s wall / 87 s CPU there: it is marked slow, as is the per-layer compile of larger configs.
 """
 
 from __future__ import annotations
@@ -43,3 +44,17 @@ def test_whole_model_compiles_and_matches_eager_forward_and_backward(backend):
     torch.manual_seed(1)
     other = gm.GemModel(config)(batch)
     assert any((other[t] - want[t]).abs().max() > 1e-3 for t in want)
+
+
+def test_whole_model_has_no_graph_breaks():
+    """No graph break (TorchRec's KJT ``length_per_key`` -> ``.tolist()`` was 4 of them, a host sync each on
+    the GPU): the pooled-id KJT gets host lengths when the batch is built, the sequence KJT from shapes."""
+    tiny = gm.get_config("tiny")
+    config = dataclasses.replace(tiny, n_layers=1, attention=tiny.attention[:1], n_experts=2)
+    model = gm.GemModel(config)
+    batch = gm.random_batch(config.features, 6, seed=1)
+    assert batch.sparse._length_per_key is not None  # cached at build time (torchrec's cache field)
+    explained = torch._dynamo.explain(model)(batch)
+    reasons = [r.reason.splitlines()[0] for r in explained.break_reasons]
+    assert explained.graph_break_count == 0, reasons
+    assert explained.graph_count == 1

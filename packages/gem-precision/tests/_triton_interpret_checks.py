@@ -142,6 +142,18 @@ def main(big: bool) -> None:
             # midpoint up to the division's last bit may differ by one step (2**-4 relative).
             check(f"rowwise {r}x{c} transpose={transpose}",
                   torch.allclose(s, rs, rtol=1e-6) and ds < 2**-4, f"max diff {ds:.2e}")  # fmt: skip
+    # K zero-padded to a multiple of 16 (the token axis of the weight-gradient GEMM): the same bytes, then
+    # zeros.
+    for r, c in [(37, 80), (64, 21)]:
+        x = torch.randn(r, c, device=DEVICE)
+        for transpose in (False, True):
+            d, s = quantize_rowwise_triton(x, E4M3, transpose=transpose)
+            dp, sp = quantize_rowwise_triton(x, E4M3, transpose=transpose, k_multiple=16)
+            k = d.shape[1]
+            ok = dp.shape == (d.shape[0], -(-k // 16) * 16) and dp.is_contiguous() and torch.equal(sp, s)
+            ok = ok and torch.equal(dp[:, :k].view(torch.uint8), d.view(torch.uint8))
+            ok = ok and not dp[:, k:].view(torch.uint8).any()
+            check(f"rowwise padded {r}x{c} transpose={transpose}", ok)
     # Empty and single-element inputs.
     for shape, kw in (((4, 0), {}), ((0, 64), {}), ((0, 64), dict(axis=0)), ((0, 0), dict(square=True)),
                       ((1, 1), {}), ((1, 1), dict(square=True))):  # fmt: skip

@@ -3,6 +3,11 @@
 Jagged convention (shared with gem_kernels): flat ``values`` of ``total`` rows, ``offsets`` ``[B+1]`` int64
 with ``offsets[0] == 0`` and sample ``b`` owning rows ``offsets[b]:offsets[b+1]``, plus a host ``max_len`` so
 that no kernel needs a device sync to learn shapes.
+
+The KeyedJaggedTensor of pooled ids carries its per-key id counts on the host (``length_per_key`` and
+``offset_per_key``, computed when the batch is built, usually on the CPU, and kept by ``to`` and
+``pin_memory``), so TorchRec's ``to_dict``/``split`` inside the step never calls ``.tolist()`` on device
+lengths: no host sync, and no graph break under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -15,7 +20,20 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gem_model.features import FeatureSpec
 
-__all__ = ["GemBatch", "JaggedSequence"]
+__all__ = ["GemBatch", "JaggedSequence", "cache_host_lengths"]
+
+
+def cache_host_lengths(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """Computes and caches ``kjt``'s ``length_per_key`` and ``offset_per_key`` (host lists); returns ``kjt``.
+
+    Reads the lengths (a device sync if they are on a GPU: call it where the batch is built). Leaves a KJT
+    whose lengths do not match its keys and stride alone, for :meth:`GemBatch.validate` to report.
+    """
+    lengths = kjt.lengths()
+    if not kjt.variable_stride_per_key() and lengths.numel() == len(kjt.keys()) * kjt.stride():
+        kjt.length_per_key()
+        kjt.offset_per_key()
+    return kjt
 
 
 def _err(field: str, msg: str) -> ValueError:
@@ -65,6 +83,12 @@ class JaggedSequence:
         """``[B]`` int64 sequence lengths."""
         return self.offsets[1:] - self.offsets[:-1]
 
+    @property
+    def total(self) -> int:
+        """Number of events in the batch (from the values' shape: a host int, no sync; symbolic when
+        compiled, so no specialisation on it)."""
+        return self.item_ids.shape[0]
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedSequence:
         return JaggedSequence(
             offsets=self.offsets.to(device, non_blocking=non_blocking),
@@ -85,6 +109,11 @@ class JaggedSequence:
         return JaggedSequence(
             offsets, self.max_len, self.item_ids[rows], self.action_ids[rows], self.timestamps[rows]
         )
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Marks every tensor as used on ``stream`` (for batches copied on a side stream)."""
+        for t in (self.offsets, self.item_ids, self.action_ids, self.timestamps):
+            t.record_stream(stream)
 
     def pin_memory(self) -> JaggedSequence:
         return JaggedSequence(
@@ -115,6 +144,12 @@ class GemBatch:
     request_time: Tensor
     labels: Tensor
     label_mask: Tensor
+
+    def __post_init__(self) -> None:
+        # Host lengths of the pooled-id KJT, once, where the batch is built (see the module doc). Inside a
+        # compiled region the KJT already has them (or the compiler traces what it needs).
+        if isinstance(self.sparse, KeyedJaggedTensor) and not torch.compiler.is_compiling():
+            cache_host_lengths(self.sparse)
 
     @property
     def batch_size(self) -> int:
@@ -154,6 +189,19 @@ class GemBatch:
             labels=self.labels[idx],
             label_mask=self.label_mask[idx],
         )
+
+    def is_pinned(self) -> bool:
+        """Whether the batch is in page-locked host memory (checked on the dense features)."""
+        return bool(self.dense.is_pinned())
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Marks every tensor as used on ``stream``, so the caching allocator does not reuse the memory of a
+        batch copied on a side stream before ``stream``'s work on it is done."""
+        for t in (self.dense, self.request_time, self.labels, self.label_mask):
+            t.record_stream(stream)
+        self.sparse.record_stream(stream)
+        for seq in self.sequences.values():
+            seq.record_stream(stream)
 
     def pin_memory(self) -> GemBatch:
         """Returns a copy in page-locked host memory (for ``to(cuda, non_blocking=True)``)."""

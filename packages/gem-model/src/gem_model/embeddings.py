@@ -84,15 +84,28 @@ class GemEmbeddings(nn.Module):
             nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
 
     def sequence_kjt(self, batch: GemBatch) -> KeyedJaggedTensor:
-        """The item and action ids of every sequence as one KJT (keys ``<seq>.item``, ``<seq>.action``)."""
-        keys, values, lengths = [], [], []
+        """The item and action ids of every sequence as one KJT (keys ``<seq>.item``, ``<seq>.action``).
+
+        Its ``length_per_key`` / ``offset_per_key`` come from the id tensors' shapes (host ints), so the
+        EmbeddingCollection's ``to_dict`` reads no device lengths (no sync, no graph break when compiled).
+        """
+        keys, values, lengths, per_key = [], [], [], []
         for name in self.sequence_names:
             seq = batch.sequences[name]
             keys += list(sequence_feature_names(name))
             values += [seq.item_ids, seq.action_ids]
             lengths += [seq.lengths, seq.lengths]
+            per_key += [seq.total, seq.total]
+        offset_per_key = [0]
+        for n in per_key:
+            offset_per_key.append(offset_per_key[-1] + n)
         return KeyedJaggedTensor(
-            keys=keys, values=torch.cat(values), lengths=torch.cat(lengths), stride=batch.batch_size
+            keys=keys,
+            values=torch.cat(values),
+            lengths=torch.cat(lengths),
+            stride=batch.batch_size,
+            length_per_key=per_key,
+            offset_per_key=offset_per_key,
         )
 
     def forward(self, batch: GemBatch) -> tuple[Tensor | None, dict[str, tuple[Tensor, Tensor]]]:

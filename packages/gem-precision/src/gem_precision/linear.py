@@ -175,7 +175,14 @@ class MXFP8Linear(nn.Linear):
 
     Input ``[..., in_features]`` of any float dtype; the GEMMs produce that dtype (bf16 in training), and
     parameters are cast to it. Numerics per GEMM: see :class:`Recipe`.
+
+    ``recipe`` is the recipe asked for; ``layer_recipe`` the one the layer runs, with every ``fp8_rowwise``
+    GEMM that this layer's shape cannot take set to ``bf16`` (:meth:`Recipe.for_layer`, decided when the
+    recipe is set). GEMMs whose token count is too small run unquantized per call.
     """
+
+    _recipe: Recipe
+    layer_recipe: Recipe
 
     def __init__(
         self,
@@ -189,6 +196,15 @@ class MXFP8Linear(nn.Linear):
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = recipe or Recipe()
+
+    @property
+    def recipe(self) -> Recipe:
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Recipe) -> None:
+        self._recipe = recipe
+        self.layer_recipe = recipe.for_layer(self.in_features, self.out_features)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe | None = None) -> MXFP8Linear:
@@ -205,12 +221,12 @@ class MXFP8Linear(nn.Linear):
         check_float_tensor("MXFP8Linear", "input", x)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        if self.recipe.gemms == ("bf16", "bf16", "bf16"):
+        if self.layer_recipe.gemms == ("bf16", "bf16", "bf16"):
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         # torch's Function.apply is unannotated (torch/autograd/function.py).
-        y: torch.Tensor = _MXLinearFn.apply(x, self.weight, self.bias, self.recipe)  # type: ignore[no-untyped-call]
+        y: torch.Tensor = _MXLinearFn.apply(x, self.weight, self.bias, self.layer_recipe)  # type: ignore[no-untyped-call]
         return y
 
     def extra_repr(self) -> str:
-        r = self.recipe
+        r = self.layer_recipe
         return f"{super().extra_repr()}, forward={r.forward}, dgrad={r.dgrad}, wgrad={r.wgrad}"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gem_precision.formats import SCALE_MODES, check_block_size, elem_format
+from gem_precision.rowwise import MIN_FP8_DIM, rowwise_fallback
 
 GEMM_FORMATS = ("mxfp8", "fp8_rowwise", "bf16")
 
@@ -70,6 +72,26 @@ class Recipe:
     @property
     def gemms(self) -> tuple[str, str, str]:
         return (self.forward, self.dgrad, self.wgrad)
+
+    def for_layer(self, in_features: int, out_features: int) -> Recipe:
+        """This recipe with each ``fp8_rowwise`` GEMM that a layer of this shape cannot take set to ``bf16``.
+
+        The layer's GEMMs are forward ``[T, in] @ [in, out]``, dgrad ``[T, out] @ [out, in]`` and wgrad
+        ``[out, T] @ [T, in]`` (T tokens, known only per call: :func:`~gem_precision.rowwise.fp8_rowwise_mm`
+        decides on it then). See :func:`~gem_precision.rowwise.rowwise_fallback` for the rule.
+        """
+        t = MIN_FP8_DIM  # any token count the per-call rule accepts
+        shapes = {
+            "forward": (t, in_features, out_features),
+            "dgrad": (t, out_features, in_features),
+            "wgrad": (out_features, t, in_features),
+        }
+        changes: dict[str, Any] = {
+            name: "bf16"
+            for name, (m, k, n) in shapes.items()
+            if getattr(self, name) == "fp8_rowwise" and rowwise_fallback(m, k, n) is not None
+        }
+        return dataclasses.replace(self, **changes) if changes else self
 
     @classmethod
     def mxfp8(cls, **overrides: Any) -> Recipe:

@@ -1,4 +1,11 @@
-"""FP8 GEMMs with one fp32 scale per row along K (``torch._scaled_mm`` on CUDA, emulated elsewhere)."""
+"""FP8 GEMMs with one fp32 scale per row along K (``torch._scaled_mm`` on CUDA, emulated elsewhere).
+
+Shapes the FP8 path cannot take run in the input precision instead of failing (:func:`rowwise_fallback`):
+``torch._scaled_mm`` needs K and N to be multiples of 16, so K (often the token count, which varies from
+batch to batch in the weight-gradient GEMM) is zero-padded to a multiple of 16 inside the quantizer, which
+is exact, and a GEMM with N not a multiple of 16, or with M or K below 16, runs unquantized. The same rule
+applies on every device, so CPU tests see the GPU's decisions.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,24 @@ from gem_precision.formats import check_float_tensor, elem_format
 
 # Row maxima below this are treated as this, so all-zero rows get a finite scale.
 _AMAX_EPS = 1e-12
+
+FP8_ALIGN = 16  # torch._scaled_mm: K and N multiples of 16 (16-byte rows of FP8 for the tensor cores)
+# A GEMM with fewer rows (M) or a shorter sum (K) than this gains nothing from FP8 (it is all quantization
+# overhead and launch latency; e.g. the PMA seed projections have M = 4) and runs unquantized.
+MIN_FP8_DIM = 16
+
+
+def rowwise_fallback(m: int, k: int, n: int) -> str | None:
+    """Why the FP8 row-wise path does not take the GEMM ``[M, K] @ [K, N]`` (None if it does).
+
+    K need not be a multiple of 16 (it is zero-padded); N must be; M and K must be at least
+    :data:`MIN_FP8_DIM`.
+    """
+    if n % FP8_ALIGN:
+        return f"N={n} is not a multiple of {FP8_ALIGN}"
+    if m < MIN_FP8_DIM or k < MIN_FP8_DIM:
+        return f"M={m} or K={k} is below {MIN_FP8_DIM}"
+    return None
 
 
 def quantize_rowwise_reference(
@@ -31,22 +56,39 @@ def quantize_rowwise_reference(
 
 
 def quantize_rowwise(
-    x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e4m3fn, *, transpose: bool = False
+    x: torch.Tensor,
+    elem_dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    transpose: bool = False,
+    k_multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise FP8 quantization of ``x [R, C]``, or of ``x.T`` (without materializing it) if ``transpose``.
 
+    Args:
+        k_multiple: zero-pad the data's last dimension (the K of the GEMM it feeds) to a multiple of this;
+            zeros add nothing to a product, so a padded GEMM equals the unpadded one.
+
     Returns:
-        ``(data, scale)``: data ``[R, C]`` (``[C, R]`` with ``transpose``), contiguous, ``elem_dtype``;
-        scale ``[rows, 1]`` fp32.
+        ``(data, scale)``: data ``[R, C']`` (``[C, R']`` with ``transpose``; ``'`` = rounded up to
+        ``k_multiple``), contiguous, ``elem_dtype``; scale ``[rows, 1]`` fp32.
     """
     check_float_tensor("quantize_rowwise", "x", x)
     if x.dim() != 2:
         raise ValueError(f"quantize_rowwise needs a 2-D tensor, got shape {tuple(x.shape)}")
+    if k_multiple < 1:
+        raise ValueError(f"quantize_rowwise: k_multiple must be >= 1, got {k_multiple}")
     if x.is_cuda:
         from gem_precision import triton_rowwise
 
-        return triton_rowwise.quantize_rowwise_triton(x, elem_format(elem_dtype), transpose=transpose)
-    return quantize_rowwise_reference(x.t() if transpose else x, elem_dtype)
+        return triton_rowwise.quantize_rowwise_triton(
+            x, elem_format(elem_dtype), transpose=transpose, k_multiple=k_multiple
+        )
+    data, scale = quantize_rowwise_reference(x.t() if transpose else x, elem_dtype)
+    pad = -data.shape[1] % k_multiple
+    if pad:
+        # F.pad has no FP8 kernels: pad the bytes.
+        data = torch.nn.functional.pad(data.view(torch.uint8), (0, pad)).view(elem_dtype)
+    return data, scale
 
 
 def _scaled_mm_supported(t: torch.Tensor) -> bool:
@@ -71,7 +113,7 @@ def scaled_mm_rowwise(
 
     Returns:
         ``[M, N]`` of ``out_dtype``. On CUDA sm89+ through ``torch._scaled_mm`` (K and N must be multiples
-        of 16); elsewhere emulated in fp32.
+        of 16: pad K with ``quantize_rowwise(k_multiple=16)``); elsewhere emulated in fp32.
     """
     if _scaled_mm_supported(a):
         k, n = a.shape[1], b.shape[0]
@@ -100,7 +142,12 @@ def fp8_rowwise_mm(
     use_fast_accum: bool = True,
 ) -> torch.Tensor:
     """``A @ B.T`` with ``A = a.T if a_t else a`` (``[M, K]``) and ``B = b.T if b_t else b`` (``[N, K]``),
-    both quantized to FP8 per row along K (the quantizer transposes on the fly).
+    both quantized to FP8 per row along K (the quantizer transposes on the fly and zero-pads K to a
+    multiple of 16). A shape the FP8 path does not take (:func:`rowwise_fallback`) is computed unquantized
+    in ``out_dtype`` instead. Not differentiable (:class:`~gem_precision.MXFP8Linear` is).
+
+    The GEMM is the custom op ``gem_precision::fp8_rowwise_mm``: ``torch.compile`` sees one opaque node
+    with a fake implementation, so the shape decisions happen at run time and add no guards.
 
     Returns:
         ``[M, N]`` of ``out_dtype``.
@@ -109,8 +156,8 @@ def fp8_rowwise_mm(
         check_float_tensor("fp8_rowwise_mm", name, t)
         if t.dim() != 2:
             raise ValueError(f"fp8_rowwise_mm: {name} must be 2-D, got shape {tuple(t.shape)}")
-    m, k = (a.shape[1], a.shape[0]) if a_t else tuple(a.shape)
-    n, kb = (b.shape[1], b.shape[0]) if b_t else tuple(b.shape)
+    k = a.shape[0] if a_t else a.shape[1]
+    kb = b.shape[0] if b_t else b.shape[1]
     if k != kb:
         # Name the operands as they were passed (not the transposes computed here).
         ka = f"a.shape[{0 if a_t else 1}]" + (" (a_t=True)" if a_t else "")
@@ -119,8 +166,47 @@ def fp8_rowwise_mm(
             f"fp8_rowwise_mm: K differs: a has shape {tuple(a.shape)} and b has shape {tuple(b.shape)}; "
             f"{ka} = {k} but {kbn} = {kb}"
         )
+    out: torch.Tensor = torch.ops.gem_precision.fp8_rowwise_mm(
+        a, b, a_t, b_t, elem_dtype, b_elem_dtype or elem_dtype, out_dtype, use_fast_accum
+    )
+    return out
+
+
+@torch.library.custom_op("gem_precision::fp8_rowwise_mm", mutates_args=())
+def _fp8_rowwise_mm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_t: bool,
+    b_t: bool,
+    elem_dtype: torch.dtype,
+    b_elem_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    m, k = (a.shape[1], a.shape[0]) if a_t else (a.shape[0], a.shape[1])
+    n = b.shape[1] if b_t else b.shape[0]
     if k == 0 or m == 0 or n == 0:  # an empty sum (e.g. wgrad of an empty batch) or an empty result
         return torch.zeros((m, n), dtype=out_dtype, device=a.device)
-    qa, sa = quantize_rowwise(a, elem_dtype, transpose=a_t)
-    qb, sb = quantize_rowwise(b, b_elem_dtype or elem_dtype, transpose=b_t)
+    if rowwise_fallback(m, k, n) is not None:
+        aa = a.t() if a_t else a
+        bb = b.t() if b_t else b
+        return aa.to(out_dtype) @ bb.to(out_dtype).t()
+    qa, sa = quantize_rowwise(a, elem_dtype, transpose=a_t, k_multiple=FP8_ALIGN)
+    qb, sb = quantize_rowwise(b, b_elem_dtype, transpose=b_t, k_multiple=FP8_ALIGN)
     return scaled_mm_rowwise(qa, sa, qb, sb, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+@_fp8_rowwise_mm_op.register_fake
+def _(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_t: bool,
+    b_t: bool,
+    elem_dtype: torch.dtype,
+    b_elem_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    m = a.shape[1] if a_t else a.shape[0]
+    n = b.shape[1] if b_t else b.shape[0]
+    return a.new_empty((m, n), dtype=out_dtype)

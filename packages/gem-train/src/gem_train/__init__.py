@@ -19,6 +19,10 @@ from gem_train.checkpoint import (
 from gem_train.config import SHIPPED_CONFIGS, ConfigError, TrainConfig, load_config
 from gem_train.data.loader import BatchSource, LoadedBatch, make_eval_loader, make_train_loader
 from gem_train.data.movielens import MovieLens100K, MovieLensFormatError, fetch_movielens_100k
+from gem_train.data.parquet.config import ParquetConfig
+from gem_train.data.parquet.errors import ParquetDataError
+from gem_train.data.parquet.inspect import inspect_dataset
+from gem_train.data.parquet.reader import ParquetSource
 from gem_train.data.synthetic import SyntheticAds
 from gem_train.evaluation import EvalResult, evaluate_model, selection_value
 from gem_train.metrics import (
@@ -52,6 +56,9 @@ __all__ = [
     "MovieLens100K",
     "MovieLensFormatError",
     "NonFiniteLossError",
+    "ParquetConfig",
+    "ParquetDataError",
+    "ParquetSource",
     "RowWiseAdagrad",
     "Run",
     "RunDir",
@@ -70,6 +77,7 @@ __all__ = [
     "device_peak_flops",
     "evaluate_model",
     "fetch_movielens_100k",
+    "inspect_dataset",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",

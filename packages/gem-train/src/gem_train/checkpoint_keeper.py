@@ -25,7 +25,13 @@ from gem_train.checkpoint import (
 )
 from gem_train.distributed import DistInfo
 
-__all__ = ["CheckpointKeeper", "data_position", "is_step_checkpoint", "reshard_note"]
+__all__ = ["CheckpointKeeper", "data_position", "data_stream_state", "is_step_checkpoint", "reshard_note"]
+
+
+def data_stream_state(source: Any, world_size: int, num_workers: int) -> dict[str, Any]:
+    """``{"data_stream": ...}`` for a source whose position needs its layout (gem_train.data.parquet)."""
+    state = getattr(source, "stream_state", None)
+    return {"data_stream": state(world_size, num_workers)} if state is not None else {}
 
 
 def reshard_note(state: dict[str, Any], world: int, position: int) -> str:

@@ -6,7 +6,9 @@
     gem-train bench [--config C] [--steps N] [--warmup N] [key=value ...]
     gem-train baseline [--config C] [key=value ...]   the plain MLP baseline on the same data and split
     gem-train data movielens-100k [--cache-dir D] [--wheel W]
-    gem-train data synthetic [--config C] [key=value ...]
+    gem-train data synthetic [--config C] [--format parquet DIR] [key=value ...]
+    gem-train data export movielens-100k --format parquet [DIR]   the Parquet copy (movielens-parquet reads)
+    gem-train data inspect --config F                  statistics and checks of a [data.parquet] dataset
     gem-train config [--config C] [key=value ...]     print the resolved config
     gem-train launch [torchrun options] COMMAND ...     torchrun that exits 0 after a signal once all saved
 
@@ -93,7 +95,13 @@ def _parser() -> argparse.ArgumentParser:
     ml.add_argument("--wheel", default=None, help="use this recbole-1.2.1 wheel instead of downloading")
     sy = dsub.add_parser("synthetic", help="describe the synthetic dataset and its ground-truth NE floor")
     sy.add_argument("--config", default=None, help=cfg_help)
-    sy.add_argument("overrides", nargs="*", help=ov_help)
+    sy.add_argument("overrides", nargs="*", help=ov_help + "; with --format parquet, also the output DIR")
+    fmt_help = "text: print the statistics; parquet: write the dataset as Parquet files to DIR"
+    sy.add_argument("--format", choices=("text", "parquet"), default="text", help=fmt_help)
+    sy.add_argument("--train-examples", type=_count(1), default=65_536, help="--format parquet: train rows")
+    from gem_train.data.parquet.cli import add_parsers as add_parquet_parsers  # inspect, export (issue 17)
+
+    add_parquet_parsers(dsub, cfg_help, ov_help)
 
     c = sub.add_parser("config", help="print the resolved config as TOML")
     c.add_argument("--config", default=None, help=cfg_help)
@@ -182,6 +190,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
+    if args.dataset in ("inspect", "export"):  # the Parquet format (gem_train.data.parquet)
+        from gem_train.data.parquet.cli import run as run_parquet
+
+        return run_parquet(args)
+    if args.dataset == "synthetic" and args.format == "parquet":
+        from gem_train.data.parquet.cli import export_synthetic_command
+
+        return export_synthetic_command(args.config, args.overrides, args.train_examples)
     if args.dataset == "movielens-100k":
         from gem_train.data.movielens import MovieLens100K, fetch_movielens_100k, read_movielens_100k
 
@@ -263,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     from gem_train.checkpoint import CheckpointError
     from gem_train.data.movielens import DataFetchError, MovieLensFormatError
+    from gem_train.data.parquet.errors import ParquetDataError
     from gem_train.signals import StopNow
     from gem_train.trainer import NonFiniteLossError
 
@@ -296,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     except (
         NonFiniteLossError,
         MovieLensFormatError,
+        ParquetDataError,
         DataFetchError,
         CheckpointError,
         FileNotFoundError,

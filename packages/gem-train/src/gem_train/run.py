@@ -36,6 +36,10 @@ def build_source(cfg: TrainConfig) -> BatchSource:
         from gem_train.data.synthetic import SyntheticAds
 
         return SyntheticAds(cfg.data.synthetic, seed=cfg.run.seed)
+    if cfg.data.source == "parquet":  # your own files (issue 17)
+        from gem_train.data.parquet.reader import ParquetSource
+
+        return ParquetSource(cfg.data.parquet, seed=cfg.run.seed)
     from gem_train.data.movielens import MovieLens100K
 
     return MovieLens100K(cfg.data.movielens, seed=cfg.run.seed)

@@ -38,11 +38,10 @@ def check_selection(cfg: TrainConfig, source: BatchSource) -> None:
             "nor 'mean'"
         )
     if t.valid_every and not source.num_batches("valid", cfg.data.eval_batch_size):
-        key = (
-            "data.movielens.valid_fraction"
-            if cfg.data.source == "movielens-100k"
-            else "data.synthetic.valid_examples"
-        )
+        key = {
+            "movielens-100k": "data.movielens.valid_fraction",
+            "parquet": "data.parquet.valid (files)",
+        }.get(cfg.data.source, "data.synthetic.valid_examples")
         raise ConfigError(
             f"train.valid_every = {t.valid_every} needs a validation split, but the dataset has none "
             f"(set {key} > 0, or train.valid_every = 0)"

@@ -27,13 +27,19 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from gem_train.checkpoint import best_checkpoint, load_checkpoint, wait_for_checkpoints
-from gem_train.checkpoint_keeper import CheckpointKeeper, data_position, reshard_note
+from gem_train.checkpoint_keeper import (
+    CheckpointKeeper,
+    data_position,
+    data_stream_state,
+    reshard_note,
+)
 from gem_train.config import TrainConfig, config_to_dict, dumps_toml
 from gem_train.data.loader import make_train_loader
 from gem_train.data.split import HeldOutSplit
 from gem_train.distributed import all_gather_object, peak_memory_gib
 from gem_train.evaluation import EvalResult, EvaluationInterrupted, evaluate_model
 from gem_train.logger import MetricsLogger, truncate_metrics
+from gem_train.prefetch import DevicePrefetcher
 from gem_train.report import write_final
 from gem_train.run import Run, build_run
 from gem_train.run_dir import RunDir, create_run_dir, resolve_resume
@@ -97,6 +103,8 @@ class Trainer:
         if resume_from is not None:
             sparse = self.setup.layout.sparse
             state = load_checkpoint(resume_from, self.model, self.optimizers, reshard=True, sparse=sparse)
+            if hasattr(self.setup.source, "check_resume"):  # a streamed position needs the same layout
+                self.setup.source.check_resume(state, self.dist.world_size, cfg.data.num_workers)
             self.start_step = int(state["step"])
             self.skipped = int(state.get("skipped_batches", 0))
             self.data_offset = data_position(state)
@@ -152,6 +160,7 @@ class Trainer:
             "data_position_unit": "global_batches",
             "skipped_batches": self.skipped,
             "saved_at": _dt.datetime.now(_dt.UTC).isoformat(),
+            **data_stream_state(self.setup.source, self.dist.world_size, self.cfg.data.num_workers),
         }
 
     def save(self, step: int) -> Path:
@@ -277,14 +286,14 @@ class Trainer:
         window = TrainWindow(self.tasks, self.device)
         count_flops = r.built.flops if self.device.type == "cuda" else None
         try:
-            it = iter(loader)
+            # Batches pinned by the loader, copied one step ahead on a side stream (gem_train.prefetch).
+            it = DevicePrefetcher(loader, self.device, select=lambda lb: lb.batch)
             if self._should_stop():
                 status = "interrupted"
             while status == "completed" and step < total:
-                lb = next(it)
+                lb, batch = next(it)  # lb.batch on the host, batch on the device
                 if count_flops is not None:
-                    window.flops += count_flops(lb.batch)  # host-side count, before the copy
-                batch = lb.batch.to(self.device, non_blocking=True)
+                    window.flops += count_flops(lb.batch)  # host-side count
                 out = r.train_step(batch, step)
                 step += 1
                 bar.update(1)

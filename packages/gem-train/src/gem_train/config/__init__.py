@@ -12,7 +12,7 @@ Modules: :mod:`~gem_train.config.schema` (the sections and their checks; ``[data
 """
 
 from gem_train.config.checks import ConfigError
-from gem_train.config.data import DataConfig, MovieLensConfig, SyntheticConfig
+from gem_train.config.data import DataConfig, MovieLensConfig, ParquetConfig, SyntheticConfig
 from gem_train.config.overrides import apply_overrides, parse_override
 from gem_train.config.parallel import ParallelSection
 from gem_train.config.schema import (
@@ -38,6 +38,7 @@ __all__ = [
     "MovieLensConfig",
     "OptimConfig",
     "ParallelSection",
+    "ParquetConfig",
     "PrecisionConfig",
     "RunConfig",
     "SyntheticConfig",

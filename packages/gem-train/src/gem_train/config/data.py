@@ -9,8 +9,9 @@ from typing import Literal
 from gem_train.config.checks import ConfigError
 from gem_train.config.checks import int_in as _int_in
 from gem_train.config.checks import real as _real
+from gem_train.data.parquet.config import ParquetConfig  # [data.parquet] (issue 17)
 
-__all__ = ["DataConfig", "MovieLensConfig", "SyntheticConfig"]
+__all__ = ["DataConfig", "MovieLensConfig", "ParquetConfig", "SyntheticConfig"]
 
 
 @dataclass
@@ -93,12 +94,13 @@ class MovieLensConfig:
 class DataConfig:
     """Which dataset, batch sizes, loader workers."""
 
-    source: Literal["synthetic", "movielens-100k"] = "synthetic"
+    source: Literal["synthetic", "movielens-100k", "parquet"] = "synthetic"
     batch_size: int = 256
     eval_batch_size: int = 1024
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the main process)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     movielens: MovieLensConfig = field(default_factory=MovieLensConfig)
+    parquet: ParquetConfig = field(default_factory=ParquetConfig)  # your own Parquet files
 
     def validate(self, key: str = "data") -> None:
         _int_in(f"{key}.batch_size", self.batch_size, 1)
@@ -106,3 +108,4 @@ class DataConfig:
         _int_in(f"{key}.num_workers", self.num_workers, 0, 256)
         self.synthetic.validate(f"{key}.synthetic")
         self.movielens.validate(f"{key}.movielens")
+        self.parquet.validate(f"{key}.parquet", required=self.source == "parquet")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -95,7 +95,7 @@ def _ignore_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _loader(stream: BatchStream, num_workers: int, pin: bool) -> DataLoader:
+def _loader(stream: IterableDataset, num_workers: int, pin: bool) -> DataLoader:
     return DataLoader(
         stream,
         batch_size=None,  # the source makes whole batches
@@ -108,6 +108,21 @@ def _loader(stream: BatchStream, num_workers: int, pin: bool) -> DataLoader:
         generator=torch.Generator().manual_seed(0),
         worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
     )
+
+
+def _own_stream(
+    source: Any, split: str, batch_size: int, rank: int, world_size: int, start: int, max_batches: int,
+    num_workers: int, pin: bool,
+) -> Any:  # fmt: skip
+    """The DataLoader of a source that makes its own streams (``make_stream``), or the source's wrapper of
+    it (``wrap_loader``: it counts what the workers report, e.g. skipped bad rows)."""
+    stream = source.make_stream(
+        split, batch_size, rank=rank, world_size=world_size, start=start, max_batches=max_batches,
+        num_workers=num_workers,
+    )  # fmt: skip
+    loader = _loader(stream, num_workers, pin)
+    wrap = getattr(source, "wrap_loader", None)
+    return wrap(loader, split) if wrap is not None else loader
 
 
 def make_train_loader(
@@ -125,6 +140,10 @@ def make_train_loader(
     ``position`` (global batches consumed so far, by any number of ranks), from that point of the global
     stream: rank ``r``'s ``k``-th batch is then global batch ``position + k * world_size + r``, so a run
     resumed on another world size repeats and skips no batch."""
+    if hasattr(source, "make_stream"):  # a source with its own streams (gem_train.data.parquet)
+        # Its position is per rank (its resume check refuses another layout): position // world_size.
+        local = start if position is None else position // world_size
+        return _own_stream(source, "train", batch_size, rank, world_size, local, 0, num_workers, pin_memory)
     if position is not None:
         stream = BatchStream(source, "train", batch_size, rank, world_size, offset=position)
     else:
@@ -146,6 +165,10 @@ def make_eval_loader(
     """This rank's share of a held-out split: ``split`` "test" (the default) or "valid" (validation);
     all of it, or the first ``max_batches`` batches."""
     check_split(split, HELD_OUT)
+    if hasattr(source, "make_stream"):  # a source with its own streams (gem_train.data.parquet)
+        return _own_stream(
+            source, split, batch_size, rank, world_size, 0, max_batches, num_workers, pin_memory
+        )
     total = source.num_batches(split, batch_size)
     if total is None:
         raise ValueError(f"the {split} split must be finite")
