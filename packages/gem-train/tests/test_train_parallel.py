@@ -77,7 +77,7 @@ def _eval_plain(cfg: TrainConfig, ckpt: Path) -> dict:
 def _four(rank: int, world_size: int, out: str) -> dict:
     torch.set_num_threads(1)
     full = Trainer(_cfg(Path(out) / "full", *HSDP_EP)).fit()
-    # SIGTERM on rank 1 while it fetches its batch of step 6: every rank finishes step 6 and saves it.
+    # SIGTERM on rank 1 while it fetches its batch of step 6: every rank finishes the step and saves it.
     seen: list[int] = []
     undo = _record_train_indices(seen, kill_at=5 * world_size + 1 if rank == 1 else None)
     try:
@@ -156,9 +156,12 @@ def test_hsdp_ep_matches_one_process_resumes_exactly_and_on_other_world_sizes(tm
     assert max(rel) <= CURVE_RTOL, (max(rel), r0["full_losses"], ref)
 
     # 2. SIGTERM on one rank: all stopped after step 6 with a checkpoint; the resume is bit-identical.
-    assert r0["stopped_status"] == "interrupted" and r0["stopped_step"] == 6
-    assert r0["stopped_losses"] == r0["full_losses"][:6]
-    assert r0["resumed_losses"] == r0["full_losses"][6:]
+    # The signal arrives while step 6's batch is fetched: during step 6, or during step 5 when the device
+    # prefetcher reads one batch ahead; every rank stops after that same step.
+    s = r0["stopped_step"]
+    assert r0["stopped_status"] == "interrupted" and s in (5, 6) and all(o["stopped_step"] == s for o in out)
+    assert r0["stopped_losses"] == r0["full_losses"][:s]
+    assert r0["resumed_losses"] == r0["full_losses"][s:]
 
     # 3. Distributed evaluation (4 ranks' shares gathered) = single-process evaluation.
     single = _eval_plain(_cfg(tmp_path / "eval1"), Path(r0["eval_ckpt"]))
@@ -186,5 +189,8 @@ def test_hsdp_ep_matches_one_process_resumes_exactly_and_on_other_world_sizes(tm
             finally:
                 undo()
             indices = sorted(seen)
-        assert indices == list(range(CKPT * 4, CKPT * 4 + (STEPS - CKPT) * world)), (world, indices)
+        # Fetched: the trained batches, plus what the device prefetcher read ahead past the last step.
+        end = CKPT * 4 + (STEPS - CKPT) * world
+        assert [i for i in indices if i < end] == list(range(CKPT * 4, end)), (world, indices)
+        assert len(set(indices)) == len(indices) and len(indices) - (end - CKPT * 4) <= world
         assert len(losses) == STEPS - CKPT and all(math.isfinite(v) for v in losses)
