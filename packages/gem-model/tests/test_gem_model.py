@@ -378,3 +378,25 @@ def test_ensemble_halves_compose_to_forward():
     assert torch.equal(ens.expert_sum(x, w), ens(x))
     parts = [ens.expert_sum(x, w, [(e, ens.experts[e])]) for e in range(config.n_experts)]
     torch.testing.assert_close(sum(parts), ens(x))
+
+
+def test_pooled_embeddings_follow_the_feature_names_whatever_the_key_order_of_the_bags():
+    # A TorchRec-sharded EmbeddingBagCollection returns its KeyedTensor keys ordered by shard, not by
+    # feature: the pooled embeddings must still come out in the spec's feature order.
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    config = _config()
+    model = _model(config)
+    batch = gm.random_batch(config.features, 6, seed=3)
+    expected, _ = model.embeddings(batch)
+    bags = model.embeddings.bags
+
+    class Permuted(torch.nn.Module):
+        def forward(self, kjt):
+            d = bags(kjt).to_dict()
+            keys = list(reversed(list(d)))
+            return KeyedTensor.from_tensor_list(keys, [d[k] for k in keys])
+
+    model.embeddings.bags = Permuted()
+    got, _ = model.embeddings(batch)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

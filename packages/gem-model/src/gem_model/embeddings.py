@@ -112,7 +112,11 @@ class GemEmbeddings(nn.Module):
         pooled = None
         if self.bags is not None:
             kt = self.bags(batch.sparse)
-            pooled = kt.values().view(batch.batch_size, len(self.sparse_names), self.embedding_dim)
+            if list(kt.keys()) == list(self.sparse_names):
+                pooled = kt.values().view(batch.batch_size, len(self.sparse_names), self.embedding_dim)
+            else:  # a sharded collection (TorchRec) orders its output keys by shard: reorder by name
+                by_name = kt.to_dict()
+                pooled = torch.stack([by_name[n] for n in self.sparse_names], dim=1)
         jts = self.sequences(self.sequence_kjt(batch))
         per_seq = {}
         for name in self.sequence_names:

@@ -94,6 +94,7 @@ __all__ = [
 ]
 
 STATE_FILE = "trainer_state.json"
+SPARSE_OPTIM = "sparse_optim"  # DCP key of the fused optimizer state of TorchRec-sharded tables
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _BEST_RE = re.compile(r"^best_step_(\d+)$")
 BEST_LINK = "best"  # checkpoints/best -> best_step_<N>
@@ -405,6 +406,7 @@ def _write_checkpoint(
     extra: dict[str, Any],
     background: bool,
     then: Callable[[Path], None] | None = None,
+    sparse: Any = None,
 ) -> Path:
     """Write ``root/<name>`` through ``root/.tmp-<name>`` (all ranks), then seal it: hash every file,
     write the manifest, rename it into place, then ``then(final)`` on rank 0 — in a background thread if
@@ -420,6 +422,8 @@ def _write_checkpoint(
         tmp.mkdir()
     _barrier()
 
+    if sparse is not None:
+        sparse.prepare_checkpoint()  # 2D replicas agree (DCP writes one copy of a shard); FS-2D gathered
     model_sd, optim_sd = get_state_dict(model, optimizers)
     rng_tensors, rng_plain = capture_rng_state()
     state = {
@@ -427,6 +431,8 @@ def _write_checkpoint(
         "optim": optim_sd["state"],
         f"rng/rank{rank}": rng_tensors,
     }
+    if sparse is not None:
+        state[SPARSE_OPTIM] = sparse.fused_optimizer.state_dict()  # the fused row-wise Adagrad state
     writer = RecordingFileSystemWriter(tmp)
     dcp.save(state, storage_writer=writer)
     mine = writer.written
@@ -441,6 +447,7 @@ def _write_checkpoint(
             rng_plain=gathered,
             world_size=world,
             config=extra.get("config", {}),
+            sparse_strategy=None if sparse is None else str(sparse.strategy),
         )
         with open(tmp / STATE_FILE, "wb") as f:
             f.write(json.dumps(trainer_state).encode("utf-8"))
@@ -489,6 +496,7 @@ def save_checkpoint(
     keep_last: int = 3,
     protect: Iterable[str | Path] = (),
     background: bool = False,
+    sparse: Any = None,
 ) -> Path:
     """Write ``root/step_<step>`` atomically (all ranks call this), then keep the newest ``keep_last``.
 
@@ -499,6 +507,8 @@ def save_checkpoint(
         protect: checkpoints never pruned by this call (the trainer's last checkpoint known to be good).
         background: return once the files are written; hashing, manifest, rename and pruning run in a
             background thread (:func:`wait_for_checkpoints` joins it; the next save does too).
+        sparse: the ``gem_parallel.sparse.SparseSharding`` of TorchRec-sharded tables, whose fused
+            optimizer state is saved too (None: no sharded tables).
     Returns:
         The final checkpoint directory (in place on return, or once sealed with ``background``).
     """
@@ -508,7 +518,9 @@ def save_checkpoint(
     def prune(final: Path) -> None:
         prune_checkpoints(root, keep_last, [*keep, final])
 
-    return _write_checkpoint(root, f"step_{step:08d}", step, model, optimizers, extra, background, then=prune)
+    return _write_checkpoint(
+        root, f"step_{step:08d}", step, model, optimizers, extra, background, then=prune, sparse=sparse
+    )
 
 
 def save_best_checkpoint(
@@ -518,6 +530,7 @@ def save_best_checkpoint(
     optimizers: list[torch.optim.Optimizer],
     extra: dict[str, Any],
     background: bool = False,
+    sparse: Any = None,
 ) -> Path:
     """Write ``root/best_step_<step>`` atomically and point the link ``root/best`` at it (all ranks call).
 
@@ -544,7 +557,7 @@ def save_best_checkpoint(
             if _BEST_RE.match(d.name) and d.name != name:
                 remove_checkpoint(d)
 
-    _write_checkpoint(root, name, step, model, optimizers, extra, background, then=relink)
+    _write_checkpoint(root, name, step, model, optimizers, extra, background, then=relink, sparse=sparse)
     return link
 
 
@@ -568,15 +581,26 @@ def load_checkpoint(
     model: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer] | None,
     restore_rng: bool = True,
+    *,
+    reshard: bool = False,
+    sparse: Any = None,
 ) -> dict[str, Any]:
     """Load a checkpoint in place into ``model`` (and ``optimizers``, and this rank's RNG); all ranks call.
 
-    The checkpoint is verified first (:func:`verify_checkpoint`). Resuming the training state
-    (``optimizers`` or ``restore_rng``) needs the world size the checkpoint was written with; loading the
-    model alone (evaluation) works on any world size.
+    The checkpoint is verified first (:func:`verify_checkpoint`). Model and optimizer tensors are FQN-keyed
+    and loaded by DCP, which reshards them: a checkpoint of FSDP2 DTensors loads into a plain model (one
+    process) and the other way round, on any world size. Resuming on another world size than the one that
+    wrote the checkpoint needs ``reshard=True``; the RNG states are per rank, so they are then *not*
+    restored (``trainer_state["resharded"]`` is True) and the caller reseeds. Loading the model alone
+    (evaluation) works on any world size. ``sparse``: the run's ``SparseSharding`` (TorchRec-sharded tables),
+    whose fused optimizer state is loaded too. Between a run with TorchRec-sharded tables and one without
+    (``parallel.strategy``), the tables' row-wise Adagrad accumulators have different homes (fused in the
+    TBE kernels vs :class:`gem_train.optim.RowWiseAdagrad`): with ``reshard`` the weights and every other
+    state still load, and those accumulators restart at zero (``trainer_state["sparse_state_reset"]``).
 
     Returns the JSON trainer state (``step``, data position, config, ...). Raises :class:`CheckpointError`
-    if the checkpoint is incomplete, damaged, unsafe, of another world size, or does not match the model.
+    if the checkpoint is incomplete, damaged, unsafe, of another world size (without ``reshard``), or does
+    not match the model.
     """
     ckpt_dir = Path(ckpt_dir)
     verify_checkpoint(ckpt_dir)
@@ -584,39 +608,69 @@ def load_checkpoint(
     rank, world = _rank(), _world()
     optimizers = optimizers or []
     saved_world = trainer_state["world_size"]
-    if (optimizers or restore_rng) and saved_world != world:
+    if (optimizers or restore_rng) and saved_world != world and not reshard:
         raise CheckpointError(
             f"checkpoint {ckpt_dir} was written by {saved_world} process(es) and this run has {world}: "
-            "resuming on another world size is not supported (its RNG states and data positions are per "
-            f"rank); resume with {saved_world} process(es), or evaluate it with `gem-train eval --checkpoint`"
+            "its RNG states are per rank; resume with reshard=True (the trainer does: the data position "
+            "carries over, the RNG streams are reseeded), or evaluate it with `gem-train eval --checkpoint`"
             " (any world size)"
         )
+    restore_rng = restore_rng and saved_world == world
+    saved_sparse = trainer_state.get("sparse_strategy")
+    current_sparse = None if sparse is None else str(sparse.strategy)
+    sparse_reset = bool(optimizers) and (saved_sparse is None) != (current_sparse is None)
+    if sparse_reset and not reshard:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} has {'no ' if saved_sparse is None else ''}TorchRec-sharded tables and "
+            f"this run has {'none' if current_sparse is None else current_sparse}: resume with reshard=True"
+        )
+    if sparse is not None:
+        sparse.prepare_checkpoint()
     model_sd, optim_sd = get_state_dict(model, optimizers)
     rng_tensors, _ = capture_rng_state()
     state: dict[str, Any] = {"model": model_sd}
     if optimizers:
         state["optim"] = optim_sd["state"]
+        if sparse is not None and not sparse_reset:
+            state[SPARSE_OPTIM] = sparse.fused_optimizer.state_dict()
     if restore_rng:
         state[f"rng/rank{rank}"] = rng_tensors
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(ckpt_dir), planner=_TensorsOnlyLoadPlanner())
+        # Only the optimizer state the checkpoint cannot have (the other home of the tables'
+        # accumulators) may be missing: everything else must be there.
+        planner = _TensorsOnlyLoadPlanner(allow_partial_load=sparse_reset)
+        dcp.load(state, storage_reader=SafeFileSystemReader(ckpt_dir), planner=planner)
     except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
         # DCP wraps each rank's traceback; keep the error line ("Missing key in checkpoint ...").
         raise CheckpointError(
             f"cannot load checkpoint {ckpt_dir} into this model: {_dcp_error_line(e)}"
         ) from e
     if optimizers:
+        # The hyper-parameters are the saved ones; the parameter names are this rank's (under expert
+        # parallelism each rank holds other experts, and only rank 0's groups are in the JSON).
+        saved = _restore_groups(trainer_state["optim_param_groups"])
+        current = cast(list[dict[str, Any]], optim_sd["param_groups"])
+        if len(saved) != len(current) and not sparse_reset:
+            raise CheckpointError(
+                f"cannot load checkpoint {ckpt_dir}: {len(saved)} optimizer parameter groups, this run has "
+                f"{len(current)}"
+            )
+        # Across sharded and unsharded tables the dense optimizer's groups (first) are common; the row-wise
+        # Adagrad of unsharded tables exists on one side only and keeps this run's settings.
+        groups = [{**g, "params": c["params"]} for g, c in zip(saved, current, strict=False)]
+        groups += current[len(groups) :]
         set_state_dict(
             model,
             optimizers,
             model_state_dict=state["model"],
-            optim_state_dict={
-                "state": state["optim"],
-                "param_groups": _restore_groups(trainer_state["optim_param_groups"]),
-            },
+            optim_state_dict={"state": state["optim"], "param_groups": groups},
         )
+        if SPARSE_OPTIM in state:
+            sparse.fused_optimizer.load_state_dict(state[SPARSE_OPTIM])
     else:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     if restore_rng:
         restore_rng_state(state[f"rng/rank{rank}"], trainer_state["rng_plain"][rank])
+    trainer_state["resharded"] = saved_world != world
+    trainer_state["sparse_state_reset"] = sparse_reset
     return trainer_state

@@ -25,7 +25,36 @@ from gem_train.checkpoint import (
 )
 from gem_train.distributed import DistInfo
 
-__all__ = ["CheckpointKeeper", "is_step_checkpoint"]
+__all__ = ["CheckpointKeeper", "data_position", "data_stream_state", "is_step_checkpoint", "reshard_note"]
+
+
+def data_stream_state(source: Any, world_size: int, num_workers: int) -> dict[str, Any]:
+    """``{"data_stream": ...}`` for a source whose position needs its layout (gem_train.data.parquet)."""
+    state = getattr(source, "stream_state", None)
+    return {"data_stream": state(world_size, num_workers)} if state is not None else {}
+
+
+def reshard_note(state: dict[str, Any], world: int, position: int) -> str:
+    """What a resume on another world size carries over and what it cannot (said at start-up)."""
+    reset = (
+        "; the tables' row-wise Adagrad accumulators restart at zero (TorchRec-sharded tables on one side "
+        "only)"
+        if state.get("sparse_state_reset")
+        else ""
+    )
+    return (
+        f"resuming a {state['world_size']}-process checkpoint on {world} process(es): model and optimizer "
+        f"states resharded, the data stream continues at global batch {position}; the per-rank RNG streams "
+        f"are reseeded, so the run is not bit-identical to one that kept its world size{reset}"
+    )
+
+
+def data_position(state: dict[str, Any]) -> int:
+    """The training stream's position in a checkpoint's trainer state, in global batches consumed (older
+    checkpoints stored the batches consumed by each rank)."""
+    if state.get("data_position_unit") == "global_batches":
+        return int(state["data_position"])
+    return int(state["data_position"]) * int(state["world_size"])
 
 
 def is_step_checkpoint(path: Path) -> bool:
@@ -52,7 +81,12 @@ class CheckpointKeeper:
             self.last_good = older[-1] if older else None
 
     def save(
-        self, step: int, model: nn.Module, optimizers: list[torch.optim.Optimizer], extra: dict[str, Any]
+        self,
+        step: int,
+        model: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        extra: dict[str, Any],
+        sparse: Any = None,
     ) -> Path:
         """Checkpoint the current state as ``step`` (all ranks call). The last good checkpoint is kept
         whatever ``keep_last`` says until a finite step confirms this one.
@@ -61,8 +95,9 @@ class CheckpointKeeper:
         background (:func:`gem_train.checkpoint.wait_for_checkpoints`)."""
         protect = [self.last_good] if self.last_good is not None else []
         path = save_checkpoint(
-            self.root, step, model, optimizers, extra, self.keep_last, protect=protect, background=True
-        )
+            self.root, step, model, optimizers, extra, self.keep_last, protect=protect, background=True,
+            sparse=sparse,
+        )  # fmt: skip
         self.last = self.unconfirmed = path
         self.saved_step = step
         return path

@@ -254,6 +254,18 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _collective_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a failed collective of a multi-process run (a peer died, or a timeout)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return any(k in text for k in ("gloo", "Gloo", "NCCL", "Connection", "timed out", "Timed out", "Timeout"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``gem-train``; returns the exit status (2: usage or config error, 1: failure,
     128 + signal: stopped at once by a second SIGTERM/SIGINT)."""
@@ -307,6 +319,20 @@ def main(argv: list[str] | None = None) -> int:
         FileNotFoundError,
     ) as e:
         print(f"gem-train: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        if not _collective_failure(e):
+            raise
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        print(
+            f"gem-train: error: rank {rank}: a collective failed ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0][:300]}): another rank died or did not answer within the "
+            "collective timeout (parallel.timeout_s); the newest complete checkpoint of the run resumes "
+            "with --resume",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt as e:  # a second signal (StopNow), or Ctrl-C outside the training loop
         import signal

@@ -6,6 +6,7 @@ single-process path never touches ``torch.distributed``.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,14 @@ import torch.distributed as dist
 
 from gem_train.config import ConfigError
 
-__all__ = ["DistInfo", "all_gather_object", "any_rank", "init_distributed", "resolve_device"]
+__all__ = [
+    "DistInfo",
+    "all_gather_object",
+    "any_rank",
+    "init_distributed",
+    "peak_memory_gib",
+    "resolve_device",
+]
 
 
 @dataclass(frozen=True)
@@ -45,10 +53,12 @@ def resolve_device(spec: str, local_rank: int) -> torch.device:
     return dev
 
 
-def init_distributed(device_spec: str, cpu_threads: int = 0) -> DistInfo:
+def init_distributed(device_spec: str, cpu_threads: int = 0, timeout_s: float = 600.0) -> DistInfo:
     """Join the process group when launched by ``torchrun`` (``WORLD_SIZE`` > 1), else run alone.
 
-    On the CPU, ``cpu_threads > 0`` sets torch's intra-op threads.
+    On the CPU, ``cpu_threads > 0`` sets torch's intra-op threads. ``timeout_s`` is the collective timeout
+    (``parallel.timeout_s``): a collective that a dead or stuck rank never joins fails after that long. A
+    process group that already exists (a test harness's) is used as it is.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -58,7 +68,10 @@ def init_distributed(device_spec: str, cpu_threads: int = 0) -> DistInfo:
     if world > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     return DistInfo(rank, world, local_rank, device)
@@ -80,3 +93,13 @@ def any_rank(flag: bool, d: DistInfo) -> bool:
         t = t.to(d.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory: allocated on the GPU (``max_memory_allocated``), else the peak resident
+    set size of the process (``ru_maxrss``, which Linux reports in KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

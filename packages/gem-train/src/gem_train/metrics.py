@@ -23,6 +23,7 @@ __all__ = [
     "binary_entropy",
     "binary_metrics",
     "calibration",
+    "gauc",
     "ground_truth_ne",
     "log_loss",
     "normalized_entropy",
@@ -126,6 +127,30 @@ def reliability_bins(p: Any, y: Any, n_bins: int = 10) -> tuple[np.ndarray, np.n
         return sum_p / count, sum_y / count, count
 
 
+def gauc(p: Any, y: Any, groups: Any) -> float:
+    """Group AUC: the AUC of each group (user) weighted by its number of examples, as InterFormer reports
+    it: ``sum_u n_u AUC_u / sum_u n_u`` over the groups with both classes (a group with one class has no
+    AUC and is left out, with its examples). NaN if no group has both classes.
+
+    ``groups`` [N]: any integer ids (the user of each example).
+    """
+    p_, y_ = _check(p, y)
+    g = np.asarray(groups).reshape(-1)
+    if g.shape != p_.shape:
+        raise ValueError(f"groups {g.shape} and predictions {p_.shape} differ in length")
+    order = np.argsort(g, kind="stable")
+    g_sorted = g[order]
+    cuts = np.flatnonzero(np.diff(g_sorted)) + 1
+    num, den = 0.0, 0.0
+    for idx in np.split(order, cuts):
+        yg = y_[idx]
+        pos = yg.sum()
+        if 0 < pos < yg.size:
+            num += yg.size * auc(p_[idx], yg)
+            den += yg.size
+    return num / den if den > 0 else float("nan")
+
+
 @dataclass(frozen=True)
 class BinaryMetrics:
     """The evaluation metrics of one task."""
@@ -136,9 +161,10 @@ class BinaryMetrics:
     log_loss: float
     base_rate: float
     count: int
+    gauc: float | None = None  # per-user AUC weighted by the user's examples (when users are known)
 
     def as_dict(self, prefix: str = "") -> dict[str, float]:
-        return {
+        out = {
             f"{prefix}ne": self.ne,
             f"{prefix}auc": self.auc,
             f"{prefix}calibration": self.calibration,
@@ -146,10 +172,14 @@ class BinaryMetrics:
             f"{prefix}base_rate": self.base_rate,
             f"{prefix}count": float(self.count),
         }
+        if self.gauc is not None:
+            out[f"{prefix}gauc"] = self.gauc
+        return out
 
 
-def binary_metrics(p: Any, y: Any, base_rate: float | None = None) -> BinaryMetrics:
-    """All metrics of one task; ``base_rate`` (default: mean label) is the NE denominator's rate."""
+def binary_metrics(p: Any, y: Any, base_rate: float | None = None, groups: Any = None) -> BinaryMetrics:
+    """All metrics of one task; ``base_rate`` (default: mean label) is the NE denominator's rate;
+    ``groups`` (the user of each example, optional) adds :func:`gauc`."""
     p_, y_ = _check(p, y)
     q = float(y_.mean()) if base_rate is None else float(base_rate)
     ll = log_loss(p_, y_)
@@ -161,6 +191,7 @@ def binary_metrics(p: Any, y: Any, base_rate: float | None = None) -> BinaryMetr
         log_loss=ll,
         base_rate=float(y_.mean()),
         count=int(y_.size),
+        gauc=gauc(p_, y_, groups) if groups is not None else None,
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from gem_train.config import OptimConfig
 
@@ -49,23 +50,47 @@ class RowWiseAdagrad(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                w = p if p.dim() == 2 else p.view(-1, 1)
                 state = self.state[p]
                 if "sum" not in state:
-                    state["sum"] = torch.zeros(w.shape[0], dtype=torch.float32, device=p.device)
-                acc: Tensor = state["sum"]
-                if p.grad.is_sparse:
-                    g = p.grad.coalesce()
+                    state["sum"] = _row_state(p)
+                # An FSDP2 DTensor is sharded by rows (dim 0), and so is its accumulator: the update of a
+                # row only needs that row, so each rank updates its own shard.
+                acc: Tensor = _local(state["sum"])
+                local, grad = _local(p), _local(p.grad)
+                w = local if local.dim() == 2 else local.view(-1, 1)
+                if grad.is_sparse:
+                    g = grad.coalesce()
                     rows = g.indices()[0]
                     vals = g.values().float().reshape(rows.numel(), -1)
                     acc.index_add_(0, rows, vals.square().mean(dim=1))
                     scale = lr / (acc[rows].sqrt() + eps)
                     w.index_add_(0, rows, (-scale[:, None] * vals).to(w.dtype))
                 else:
-                    g = p.grad.float().reshape(w.shape)
+                    g = grad.float().reshape(w.shape)
                     acc.add_(g.square().mean(dim=1))
                     w.sub_((lr * g / (acc.sqrt() + eps)[:, None]).to(w.dtype))
         return loss
+
+
+def _local(t: Tensor) -> Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _row_state(p: Tensor) -> Tensor:
+    """A float32 zero per row of ``p``; for a row-sharded DTensor a DTensor sharded the same way (so that
+    a checkpoint stores one accumulator per row, reshardable to any world size)."""
+
+    def rows(t: Tensor) -> int:  # a 2-D table's rows; any other shape: one row per element
+        return t.shape[0] if t.dim() == 2 else t.numel()
+
+    if not isinstance(p, DTensor):
+        return torch.zeros(rows(p), dtype=torch.float32, device=p.device)
+    if p.dim() not in (1, 2) or any(isinstance(pl, Shard) and pl.dim != 0 for pl in p.placements):
+        raise ValueError(f"RowWiseAdagrad: a {p.dim()}-D DTensor placed {p.placements} is not row-sharded")
+    local = torch.zeros(rows(p._local_tensor), dtype=torch.float32, device=p._local_tensor.device)
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=torch.Size([rows(p)]), stride=(1,)
+    )
 
 
 def _decay_split(params: list[Tensor]) -> list[dict[str, Any]]:

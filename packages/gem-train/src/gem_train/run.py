@@ -17,13 +17,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gem_model import FeatureSpec, GemBatch, multitask_loss
-from gem_train.compile import apply_compile
 from gem_train.config import ConfigError, TrainConfig
 from gem_train.data.loader import BatchSource
 from gem_train.distributed import DistInfo, init_distributed
+from gem_train.grad_norm import clip_grad_norm
 from gem_train.mfu import device_peak_flops
 from gem_train.model_factory import BuiltModel, build_gem_config, build_model
 from gem_train.optim import build_optimizers, lr_factor, set_lr
+from gem_train.parallel import Layout, apply_parallel
 from gem_train.selection import check_selection
 
 __all__ = ["Run", "StepResult", "build_run", "build_source", "resolve_autocast"]
@@ -80,6 +81,7 @@ class Run:
     dense_params: list[nn.Parameter]
     autocast_dtype: torch.dtype | None
     peak_flops: float | None
+    layout: Layout  # what [parallel] applied (one process: nothing)
 
     @property
     def device(self) -> torch.device:
@@ -110,10 +112,12 @@ class Run:
     def train_step(self, batch: GemBatch, step: int) -> StepResult:
         """One training step on ``batch`` (on the device) at 0-based ``step``: learning rate, forward,
         loss, backward, clipping, and the optimizer steps, unless the loss or the gradient norm is NaN/Inf
-        on some rank (then every rank drops the gradients, and the caller's NaN policy decides).
+        on some rank (then every rank drops the gradients, and the caller's NaN policy decides; the tables of
+        TorchRec-sharded embeddings were already updated inside the backward, which cannot be undone).
 
         The loss and the dense gradient norm are read together, after the backward was queued: one host
-        sync per step.
+        sync per step. Each rank's loss is the mean over its own batch; the gradients are averaged over
+        the ranks (FSDP2/DDP), so the step minimises the mean of the ranks' losses.
         """
         cfg = self.cfg
         if self.dense_opt is not None:
@@ -128,6 +132,8 @@ class Run:
         if finite:
             for opt in self.optimizers:
                 opt.step()
+            if self.layout.sparse is not None:
+                self.layout.sparse.step()  # 2D: the replicas' sync every sync_every steps
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return StepResult(loss_value, gnorm, finite, per_task)
@@ -150,7 +156,10 @@ class Run:
         if not params:
             return torch.zeros((), device=self.device)
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grads = [p.grad for p in params if p.grad is not None]
+        return clip_grad_norm(
+            grads, max_norm, world_size=self.dist.world_size, dp_replicate=self.layout.dp_replicate
+        )
 
 
 def build_run(cfg: TrainConfig, *, training: bool = True) -> Run:
@@ -160,7 +169,7 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> Run:
     Everything that can reject the config happens here, before a run directory exists: the dataset (a
     corrupt MovieLens record), the selection task, the model's overrides.
     """
-    d = init_distributed(cfg.run.device, cfg.run.cpu_threads)
+    d = init_distributed(cfg.run.device, cfg.run.cpu_threads, cfg.parallel.timeout_s)
     source = build_source(cfg)
     check_selection(cfg, source)
     if cfg.model.arch == "gem":
@@ -170,23 +179,18 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> Run:
     model = built.model
     peak = device_peak_flops(d.device, cfg.train.peak_flops)
     if not training:
-        return Run(cfg, d, source, built, model, [], [], autocast_dtype, peak)
+        return Run(cfg, d, source, built, model, [], [], autocast_dtype, peak, Layout(None, None, "none"))
+    # gem_parallel.parallelize changes the modules in place (FSDP2) and keeps parameter names; the
+    # optimizers are built after it, on the parameters as they are then (DTensors under FSDP2).
+    train_model, layout = apply_parallel(model, cfg, d, autocast_dtype)
     dense = list(model.dense_parameters())
     sparse = list(model.sparse_parameters())
     seen = {id(p) for p in dense + sparse}
     # Anything the model lists in neither group trains with the dense optimizer.
     dense += [p for p in model.parameters() if id(p) not in seen]
+    if layout.sparse is not None:
+        # TorchRec-sharded tables train with the row-wise Adagrad fused into their backward.
+        tables = {id(p) for p in model.embeddings.parameters()}
+        dense, sparse = [p for p in dense if id(p) not in tables], []
     optimizers = build_optimizers(dense, sparse, cfg.optim)
-    train_model: nn.Module = model
-    if cfg.train.compile:
-        train_model = apply_compile(train_model)
-    if d.world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # Every parameter is replicated (DDP), embedding tables included.
-        train_model = DDP(
-            train_model,
-            device_ids=[d.device.index] if d.device.type == "cuda" else None,
-            find_unused_parameters=True,  # some tables/experts may see no ids in a batch
-        )
-    return Run(cfg, d, source, built, train_model, optimizers, dense, autocast_dtype, peak)
+    return Run(cfg, d, source, built, train_model, optimizers, dense, autocast_dtype, peak, layout)

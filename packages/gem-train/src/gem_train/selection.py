@@ -90,7 +90,9 @@ class BestSelection:
                 "value": value,
                 "valid": {t: m.as_dict() for t, m in ev.tasks.items()},
             }
-            save_best_checkpoint(self.checkpoints, step, r.model, r.optimizers, extra, background=True)
+            save_best_checkpoint(
+                self.checkpoints, step, r.model, r.optimizers, extra, background=True, sparse=r.layout.sparse
+            )
 
     def evaluate_best(
         self, should_stop: Callable[[], bool] | None = None, checkpoints: Path | None = None

@@ -24,12 +24,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from gem_train.checkpoint import best_checkpoint, load_checkpoint, wait_for_checkpoints
-from gem_train.checkpoint_keeper import CheckpointKeeper
+from gem_train.checkpoint_keeper import (
+    CheckpointKeeper,
+    data_position,
+    data_stream_state,
+    reshard_note,
+)
 from gem_train.config import TrainConfig, config_to_dict, dumps_toml
 from gem_train.data.loader import make_train_loader
 from gem_train.data.split import HeldOutSplit
+from gem_train.distributed import all_gather_object, peak_memory_gib
 from gem_train.evaluation import EvalResult, EvaluationInterrupted, evaluate_model
 from gem_train.logger import MetricsLogger, truncate_metrics
 from gem_train.prefetch import DevicePrefetcher
@@ -41,12 +48,6 @@ from gem_train.signals import StopNow, StopSignals
 from gem_train.train_log import TrainWindow
 
 __all__ = ["NonFiniteLossError", "StopNow", "TrainResult", "Trainer"]
-
-
-def _data_stream_state(source: Any, world_size: int, num_workers: int) -> dict[str, Any]:
-    """``{"data_stream": ...}`` for a source whose position needs its layout (gem_train.data.parquet)."""
-    state = getattr(source, "stream_state", None)
-    return {"data_stream": state(world_size, num_workers)} if state is not None else {}
 
 
 class NonFiniteLossError(RuntimeError):
@@ -72,8 +73,7 @@ class TrainResult:
 
 
 class Trainer:
-    """A training run of ``cfg``; ``resume`` is a checkpoint directory (or run directory, or "latest") to
-    continue from."""
+    """A training run of ``cfg``; ``resume``: a checkpoint, a run directory or "latest" to continue from."""
 
     def __init__(self, cfg: TrainConfig, resume: str | Path | None = None) -> None:
         self.cfg = cfg
@@ -97,19 +97,30 @@ class Trainer:
 
         self.start_step = 0
         self.skipped = 0
+        # The data stream's position: global batches consumed before start_step (by any number of ranks).
+        self.data_offset = 0
+        resharded = False
         if resume_from is not None:
-            state = load_checkpoint(resume_from, self.model, self.optimizers)
+            sparse = self.setup.layout.sparse
+            state = load_checkpoint(resume_from, self.model, self.optimizers, reshard=True, sparse=sparse)
             if hasattr(self.setup.source, "check_resume"):  # a streamed position needs the same layout
                 self.setup.source.check_resume(state, self.dist.world_size, cfg.data.num_workers)
             self.start_step = int(state["step"])
             self.skipped = int(state.get("skipped_batches", 0))
+            self.data_offset = data_position(state)
+            resharded = bool(state["resharded"])
             if self.dist.is_main:
                 truncate_metrics(self.run.metrics, self.start_step)
+            if resharded and self.dist.is_main:
+                print(
+                    f"gem-train: {reshard_note(state, self.dist.world_size, self.data_offset)}",
+                    file=sys.stderr,
+                )
         resumed_step = self.start_step if resume_from is not None else None
         self.selection = BestSelection(self.setup, self.run.checkpoints, resumed_step)
         # Dropout etc. differ per rank (the same seed would correlate them across ranks).
-        if resume_from is None:
-            torch.manual_seed(cfg.run.seed + 1_000_003 * (self.dist.rank + 1))
+        if resume_from is None or resharded:
+            torch.manual_seed(cfg.run.seed + 1_000_003 * (self.dist.rank + 1) + 7_919 * self.start_step)
         self.losses: list[float] = []
         self.signals = StopSignals()
         self.checkpoints = CheckpointKeeper(
@@ -138,18 +149,25 @@ class Trainer:
 
     # -- checkpoints and evaluation -------------------------------------------------------------------------
 
+    def global_batches(self, step: int) -> int:
+        """Global batches of the training stream consumed after ``step`` steps."""
+        return self.data_offset + (step - self.start_step) * self.dist.world_size
+
     def _extra(self, step: int) -> dict[str, Any]:
         return {
             "config": config_to_dict(self.cfg),
-            "data_position": step,  # batches consumed by each rank
+            "data_position": self.global_batches(step),
+            "data_position_unit": "global_batches",
             "skipped_batches": self.skipped,
             "saved_at": _dt.datetime.now(_dt.UTC).isoformat(),
-            **_data_stream_state(self.setup.source, self.dist.world_size, self.cfg.data.num_workers),
+            **data_stream_state(self.setup.source, self.dist.world_size, self.cfg.data.num_workers),
         }
 
     def save(self, step: int) -> Path:
         """Checkpoint the current state as ``step`` (all ranks call); see :class:`CheckpointKeeper`."""
-        return self.checkpoints.save(step, self.model, self.optimizers, self._extra(step))
+        return self.checkpoints.save(
+            step, self.model, self.optimizers, self._extra(step), self.setup.layout.sparse
+        )
 
     def evaluate(
         self,
@@ -248,8 +266,6 @@ class Trainer:
         total = cfg.train.steps
         step = self.start_step
         status = "completed"
-        from tqdm.auto import tqdm
-
         bar = tqdm(
             total=total,
             initial=step,
@@ -261,7 +277,7 @@ class Trainer:
         loader = make_train_loader(
             r.source,
             cfg.data.batch_size,
-            start=step,
+            position=self.global_batches(step),
             rank=d.rank,
             world_size=d.world_size,
             num_workers=cfg.data.num_workers,
@@ -333,6 +349,8 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         opt = self.setup.dense_opt
         row = w.row(self.dist.world_size, opt.param_groups[0]["lr"] if opt else 0.0, self.setup.peak_flops)
+        for r, gib in enumerate(all_gather_object(peak_memory_gib(self.device), self.dist.world_size)):
+            row[f"memory_gib/rank{r}"] = gib  # peak allocated (GPU) or peak RSS (CPU) of each rank
         self.logger.log(step, "train", row)
         post = {"ex/s": f"{row['examples_per_s']:,.0f}", "loss": f"{row['loss']:.4f}",
                 f"NE[{self.tasks[0]}]": f"{row[f'{self.tasks[0]}/ne']:.4f}"}  # fmt: skip

@@ -19,6 +19,7 @@ from gem_train.config.checks import ConfigError
 from gem_train.config.checks import int_in as _int_in
 from gem_train.config.checks import real as _real
 from gem_train.config.data import DataConfig
+from gem_train.config.parallel import ParallelSection
 
 __all__ = [
     "BaselineConfig",
@@ -200,6 +201,7 @@ class TrainConfig:
     train: TrainerConfig = field(default_factory=TrainerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
 
     def validate(self) -> None:
         """Check every value's range (types are checked at load time), section by section; raise
@@ -211,3 +213,4 @@ class TrainConfig:
         self.train.validate("train")
         self.precision.validate("precision")
         self.checkpoint.validate("checkpoint")
+        self.parallel.validate("parallel")

@@ -1,11 +1,13 @@
 """Streaming, multi-worker, deterministic and resumable loading of ``GemBatch``es.
 
 A :class:`BatchSource` builds batch ``i`` of a split as a pure function of ``i``. :class:`BatchStream`, an
-``IterableDataset``, gives rank ``r`` of ``W`` ranks the global batches ``r, r + W, r + 2W, ...`` and splits
-those among its DataLoader workers round-robin (worker ``w`` of ``K`` makes every ``K``-th). The DataLoader
+``IterableDataset``, gives rank ``r`` of ``W`` ranks the global batches ``p + r, p + r + W, ...`` (``p``:
+the global batches consumed before, by any number of ranks) and splits those among its DataLoader workers
+round-robin (worker ``w`` of ``K`` makes every ``K``-th). The DataLoader
 reads workers in round-robin order, so the sequence a rank sees is the same for any number of workers, and
-the position of the stream is one integer: the number of batches this rank has consumed. That integer is in
-every checkpoint; a resumed stream starts from it (:func:`make_train_loader` with ``start``).
+the position of the stream is one integer: the number of global batches consumed. That integer is in every
+checkpoint; a resumed stream starts from it (:func:`make_train_loader` with ``position``), on any number of
+ranks.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class BatchSource(Protocol):
 
 
 class BatchStream(IterableDataset):
-    """The batches of one rank from position ``start`` on (``stop``: exclusive end of this rank's stream)."""
+    """The batches of one rank from its local position ``start`` on (``stop``: exclusive end of this rank's
+    stream); ``offset`` global batches were consumed before (by any number of ranks)."""
 
     def __init__(
         self,
@@ -65,19 +68,21 @@ class BatchStream(IterableDataset):
         world_size: int = 1,
         start: int = 0,
         stop: int | None = None,
+        offset: int = 0,
     ) -> None:
         super().__init__()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world size {world_size}")
         self.source, self.split, self.batch_size = source, split, batch_size
         self.rank, self.world_size, self.start, self.stop = rank, world_size, start, stop
+        self.offset = offset
 
     def __iter__(self) -> Iterator[LoadedBatch]:
         info = get_worker_info()
         worker, n_workers = (0, 1) if info is None else (info.id, info.num_workers)
         k = self.start + worker
         while self.stop is None or k < self.stop:
-            global_index = k * self.world_size + self.rank
+            global_index = self.offset + k * self.world_size + self.rank
             yield self.source.get(self.split, global_index, self.batch_size)
             k += n_workers
 
@@ -129,11 +134,20 @@ def make_train_loader(
     world_size: int = 1,
     num_workers: int = 0,
     pin_memory: bool = False,
+    position: int | None = None,
 ) -> DataLoader:
-    """The endless training stream of this rank, from this rank's batch ``start`` on."""
+    """The endless training stream of this rank, from this rank's batch ``start`` on; or, with
+    ``position`` (global batches consumed so far, by any number of ranks), from that point of the global
+    stream: rank ``r``'s ``k``-th batch is then global batch ``position + k * world_size + r``, so a run
+    resumed on another world size repeats and skips no batch."""
     if hasattr(source, "make_stream"):  # a source with its own streams (gem_train.data.parquet)
-        return _own_stream(source, "train", batch_size, rank, world_size, start, 0, num_workers, pin_memory)
-    stream = BatchStream(source, "train", batch_size, rank, world_size, start=start)
+        # Its position is per rank (its resume check refuses another layout): position // world_size.
+        local = start if position is None else position // world_size
+        return _own_stream(source, "train", batch_size, rank, world_size, local, 0, num_workers, pin_memory)
+    if position is not None:
+        stream = BatchStream(source, "train", batch_size, rank, world_size, offset=position)
+    else:
+        stream = BatchStream(source, "train", batch_size, rank, world_size, start=start)
     return _loader(stream, num_workers, pin_memory)
 
 
