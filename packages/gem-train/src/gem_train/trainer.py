@@ -33,7 +33,8 @@ from gem_train.checkpoint_keeper import (
     data_stream_state,
     reshard_note,
 )
-from gem_train.config import TrainConfig, config_to_dict, dumps_toml
+from gem_train.config import ConfigError, TrainConfig, config_to_dict, dumps_toml
+from gem_train.data.balance import BalancedTrainStream
 from gem_train.data.loader import make_train_loader
 from gem_train.data.split import HeldOutSplit
 from gem_train.distributed import all_gather_object, peak_memory_gib
@@ -99,6 +100,10 @@ class Trainer:
         self.skipped = 0
         # The data stream's position: global batches consumed before start_step (by any number of ranks).
         self.data_offset = 0
+        # parallel.balancer = "base_batch_shuffling": where the balanced stream began (global batches) and
+        # this rank's shuffler state after the last consumed batch (None: nothing read yet).
+        self.balancer_base: int | None = None
+        self.balancer_state: dict[str, Any] | None = None
         resharded = False
         if resume_from is not None:
             sparse = self.setup.layout.sparse
@@ -109,6 +114,7 @@ class Trainer:
             self.skipped = int(state.get("skipped_batches", 0))
             self.data_offset = data_position(state)
             resharded = bool(state["resharded"])
+            self._resume_balancer(state)
             if self.dist.is_main:
                 truncate_metrics(self.run.metrics, self.start_step)
             if resharded and self.dist.is_main:
@@ -149,6 +155,26 @@ class Trainer:
 
     # -- checkpoints and evaluation -------------------------------------------------------------------------
 
+    def _resume_balancer(self, state: dict[str, Any]) -> None:
+        saved = state.get("balancer")
+        if self.cfg.parallel.balancer != "base_batch_shuffling" or not saved:
+            return  # a checkpoint without a balancer state starts a fresh balanced stream at its position
+        if saved["world_size"] != self.dist.world_size:
+            raise ConfigError(
+                f"parallel.balancer: the checkpoint's balanced stream was read by {saved['world_size']} "
+                f"ranks, this run has {self.dist.world_size}; resume on {saved['world_size']} ranks (or "
+                "with parallel.balancer = 'none')"
+            )
+        self.balancer_base = int(saved["base"])
+        self.balancer_state = saved["ranks"][self.dist.rank]
+
+    def _balancer_extra(self) -> dict[str, Any]:
+        if self.cfg.parallel.balancer != "base_batch_shuffling":
+            return {}
+        ranks = all_gather_object(self.balancer_state, self.dist.world_size)  # every rank calls _extra
+        base = self.balancer_base if self.balancer_base is not None else self.data_offset
+        return {"balancer": {"base": base, "world_size": self.dist.world_size, "ranks": ranks}}
+
     def global_batches(self, step: int) -> int:
         """Global batches of the training stream consumed after ``step`` steps."""
         return self.data_offset + (step - self.start_step) * self.dist.world_size
@@ -161,6 +187,7 @@ class Trainer:
             "skipped_batches": self.skipped,
             "saved_at": _dt.datetime.now(_dt.UTC).isoformat(),
             **data_stream_state(self.setup.source, self.dist.world_size, self.cfg.data.num_workers),
+            **self._balancer_extra(),
         }
 
     def save(self, step: int) -> Path:
@@ -274,15 +301,7 @@ class Trainer:
             desc=cfg.run.name,
             file=sys.stderr,
         )
-        loader = make_train_loader(
-            r.source,
-            cfg.data.batch_size,
-            position=self.global_batches(step),
-            rank=d.rank,
-            world_size=d.world_size,
-            num_workers=cfg.data.num_workers,
-            pin_memory=self.device.type == "cuda",
-        )
+        loader = self._train_stream(step)
         window = TrainWindow(self.tasks, self.device)
         count_flops = r.built.flops if self.device.type == "cuda" else None
         try:
@@ -292,6 +311,8 @@ class Trainer:
                 status = "interrupted"
             while status == "completed" and step < total:
                 lb, batch = next(it)  # lb.batch on the host, batch on the device
+                if isinstance(loader, BalancedTrainStream):  # its state as of this batch, for checkpoints
+                    self.balancer_state = loader.state_after(lb.index)
                 if count_flops is not None:
                     window.flops += count_flops(lb.batch)  # host-side count
                 out = r.train_step(batch, step)
@@ -322,6 +343,29 @@ class Trainer:
         finally:
             bar.close()
         return step, status
+
+    def _train_stream(self, step: int) -> Any:
+        """This rank's training batches from ``step`` on: the loader, or its balanced batches."""
+        cfg, d = self.cfg, self.dist
+        pin = self.device.type == "cuda"
+
+        def loader(position: int, pin_memory: bool = pin) -> Any:
+            return make_train_loader(
+                self.setup.source, cfg.data.batch_size, position=position, rank=d.rank,
+                world_size=d.world_size, num_workers=cfg.data.num_workers, pin_memory=pin_memory,
+            )  # fmt: skip
+
+        if cfg.parallel.balancer != "base_batch_shuffling":
+            return loader(self.global_batches(step))
+        if self.balancer_base is None:
+            self.balancer_base = self.global_batches(step)
+        stream = BalancedTrainStream(
+            lambda position: loader(position, False), base=self.balancer_base, world_size=d.world_size,
+            batch_size=cfg.data.batch_size, seed=cfg.run.seed + 7_919 * d.rank, pin=pin,
+        )  # fmt: skip
+        if self.balancer_state is not None:
+            stream.load_state_dict(self.balancer_state)
+        return stream
 
     def _handle_non_finite(self, step: int, what: str) -> None:
         if self.cfg.train.nan_policy == "skip":
