@@ -1,12 +1,17 @@
 """``parallel.balancer = "base_batch_shuffling"``: the balanced training stream (gem_train.data.balance)
 and the trainer with it: conservation of samples, exact resume, lower cost spread on a skewed stream."""
 
+import json
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 
 from gem_parallel.balance import get_cost_model
+from gem_train.checkpoint import read_trainer_state
 from gem_train.config import ConfigError, load_config
 from gem_train.data.balance import BalancedTrainStream, concat_batches, sample_lengths
 from gem_train.data.loader import LoadedBatch
@@ -126,3 +131,40 @@ def test_training_with_the_balancer_resumes_bit_identically(tmp_path, small_conf
 def test_global_balancer_is_a_clear_error(tmp_path, small_config):
     with pytest.raises(ConfigError, match="not wired"):
         Trainer(small_config(tmp_path, "parallel.balancer=global"))
+
+
+@pytest.mark.slow  # 85 s on the 2 shared cores (two torchrun launches): past the fast suite's budget
+@pytest.mark.distributed
+def test_two_processes_balanced_resume_is_exact(tmp_path):
+    """torchrun, 2 gloo ranks, balancer on: every rank's shuffler state is in the checkpoint, and a resume
+    from step 2 logs the same per-step losses (mean over the ranks) at steps 3 and 4."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "-m", "gem_train.cli", "train", "parallel.balancer=base_batch_shuffling",
+        "data.batch_size=16", "data.eval_batch_size=64", "data.synthetic.eval_examples=64",
+        "data.synthetic.max_len=8", "data.synthetic.num_users=300", "data.synthetic.num_items=200",
+        "model.overrides.n_layers=1", 'model.overrides.attention="full"',
+        "train.steps=4", "train.log_every=1", "train.progress_bar=false",
+        "checkpoint.every=2", f"run.out_dir={tmp_path}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (run,) = tmp_path.iterdir()
+
+    def losses() -> dict[int, float]:
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
+
+    full = losses()
+    assert sorted(full) == [1, 2, 3, 4]
+    ckpt = run / "checkpoints" / "step_00000002"
+    saved = read_trainer_state(ckpt)["balancer"]
+    assert saved["world_size"] == 2 and saved["base"] == 0 and len(saved["ranks"]) == 2
+    assert [s["emitted"] for s in saved["ranks"]] == [2, 2]
+    assert saved["ranks"][0] != saved["ranks"][1]  # each rank balances its own stream
+    resume = [*cmd[:8], "--resume", str(ckpt), *cmd[8:]]
+    done = subprocess.run(resume, capture_output=True, text=True, env=env, timeout=200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    again = losses()
+    assert again == full  # steps 1-2 kept, steps 3-4 recomputed bit-identically
