@@ -67,11 +67,13 @@ def test_varying_batches_compile_each_layer_kind_once(backend):
     import dataclasses
 
     from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
 
     import gem_model as gm
     from gem_train.compile import compile_counters
 
     torch._dynamo.reset()
+    counters.clear()  # process-wide: earlier tests' compilations would count here too (reset keeps them)
     tiny = gm.get_config("tiny")
     config = dataclasses.replace(tiny, n_experts=2)  # 2 layers, of 2 kinds (full and window attention)
     assert len(set(config.attention_kind(i) for i in range(config.n_layers))) == 2
