@@ -47,7 +47,9 @@ FEW_Q = 32  # PMA-style pooling with at most this many queries per sequence
 
 _forced: tuple[int, int] | None = None
 _forced_variant: str | None = None
-VARIANTS = ("tiled", "onetile", "auto")
+# "persistent", "tma", "tma_ws": the persistent-grid kernels (:mod:`.triton_persistent_launch`), opt-in.
+PERSISTENT_VARIANTS = ("persistent", "tma", "tma_ws")
+VARIANTS = ("tiled", "onetile", "auto", *PERSISTENT_VARIANTS)
 # "auto": where a one-tile kernel applies, time it against the tiled kernels once per bucket and keep the
 # faster (on the H200 the one-tile kernels won the cross forward and backward and the PMA backward).
 DEFAULT_VARIANT = os.environ.get("GEM_KERNELS_ATTENTION_VARIANT", "auto")
@@ -68,7 +70,8 @@ def force_blocks(block_m: int, block_n: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def force_variant(name: str) -> Iterator[None]:
-    """Use ``"tiled"`` (the general kernels), ``"onetile"`` where it applies, or ``"auto"`` (time both)."""
+    """Use ``"tiled"`` (the general kernels), ``"onetile"`` where it applies, ``"auto"`` (time both), or a
+    persistent variant (``"persistent"``, ``"tma"``, ``"tma_ws"``: every shape class)."""
     global _forced_variant
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}")
@@ -282,6 +285,12 @@ def attention_fwd(
     if q.shape[0] == 0 or batch == 0 or heads == 0:
         return out, lse
     left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
+    if (_forced_variant or DEFAULT_VARIANT) in PERSISTENT_VARIANTS:
+        from gem_kernels.attention import triton_persistent_launch as tp
+
+        tp.attention_fwd(q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, left, right, qk_scale,
+                         out_scale, buckets, consts, _forced_variant or DEFAULT_VARIANT, _forced)
+        return out, lse
     args = (q, k, v, out, lse, q_offsets, kv_offsets, *_strides(q, k, v, out), heads, left, right, qk_scale,
             out_scale, *buckets)
 
@@ -319,6 +328,13 @@ def attention_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     dout, out = dout.contiguous(), out.contiguous()  # dO is addressed with O's strides
     left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
+    if (_forced_variant or DEFAULT_VARIANT) in PERSISTENT_VARIANTS:
+        from gem_kernels.attention import triton_persistent_launch as tp
+
+        tp.attention_bwd(dout, q, k, v, out, lse, dq, dk, dv, q_offsets, kv_offsets, max_q_len, max_kv_len,
+                         left, right, qk_scale, out_scale, buckets, consts, _forced_variant or DEFAULT_VARIANT,
+                         _forced)
+        return dq, dk, dv
     strides = _strides(q, k, v, out)
 
     def tiled() -> None:
