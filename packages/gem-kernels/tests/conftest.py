@@ -15,12 +15,14 @@ def interpreter_results(request) -> list[dict]:
     """Runs the requesting module's ``DRIVER`` script under ``TRITON_INTERPRET=1`` and returns its results.
 
     The interpreter has to be on before triton is first imported, so the cases run in one subprocess (for
-    at most the module's ``DRIVER_TIMEOUT_S`` seconds), which prints ``JSON:`` and a list of result dicts.
+    at most the module's ``DRIVER_TIMEOUT_S`` seconds, with the module's ``DRIVER_ARGS`` if any), which
+    prints ``JSON:`` and a list of result dicts.
     """
     driver = request.module.DRIVER
+    args = list(getattr(request.module, "DRIVER_ARGS", []))
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, str(driver)],
+        [sys.executable, str(driver), *args],
         env=env,
         capture_output=True,
         text=True,
