@@ -10,6 +10,8 @@ forward with the time to move Q, K, V and O once at the measured copy rate.
 
     export PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':')
     python packages/gem-kernels/benchmarks/bench_attention.py [--cases cross,pma] [--json out.json]
+    # several implementations on the same inputs in one run (rows "case@variant"; baselines once per case):
+    python packages/gem-kernels/benchmarks/bench_attention.py --variants auto,persistent,tma,tma_ws
 """
 
 from __future__ import annotations
@@ -343,12 +345,14 @@ def setup_case(name: str) -> dict:
     return c
 
 
-def run_ours(c: dict, copy_tbs: float, check_seqs: int) -> dict:
+def run_ours(c: dict, copy_tbs: float, check_seqs: int, variant: str = "auto") -> dict:
     from gem_kernels.attention import triton_attention as ta
+    from gem_kernels.attention import triton_persistent_launch as tp
 
     fwd_flop = 4 * c["pairs"] * H * D
     row = {
         "case": c["name"],
+        "variant": variant,
         "act": c["act"],
         "B": c["lq"].numel(),
         "mean_q": c["lq"].float().mean().item(),
@@ -374,10 +378,17 @@ def run_ours(c: dict, copy_tbs: float, check_seqs: int) -> dict:
     row["tune_s"] = time.time() - t0
     row["variants"] = {k[0]: v for k, v in ta.variant_choice.items() if k not in before}
     if DEV == "cuda":
+        persistent = variant in tp.VARIANTS
+        tuned = (
+            (tp._fwd_tuned, tp._dq_tuned, tp._dkdv_tuned)
+            if persistent
+            else (ta._fwd_tuned, ta._dq_tuned, ta._dkdv_tuned)
+        )
         row["configs"] = {
-            n: str(getattr(t, "best_config", None))
-            for n, t in (("fwd", ta._fwd_tuned), ("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned))
+            n: str(getattr(t, "best_config", None)) for n, t in zip(("fwd", "dq", "dkdv"), tuned)
         }
+        if persistent:
+            row["paths"] = sorted({f"{k}:{p}" for k, p in tp.launches})
     row["check"] = ours.check(check_seqs)
     row["ours_fwd_ms"] = bench(ours.fwd)
     row["ours_bwd_ms"] = bench(ours.bwd_fn())
@@ -422,12 +433,16 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--check-seqs", type=int, default=16)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, reference path")
-    ap.add_argument("--variant", default="auto", help="tiled | onetile | auto (time both per bucket)")
+    ap.add_argument(
+        "--variant",
+        default="auto",
+        help="tiled | onetile | auto (time both per bucket) | persistent | tma | tma_ws",
+    )
+    ap.add_argument(
+        "--variants", default=None, help="comma-separated variants, each timed on the same inputs"
+    )
     a = ap.parse_args()
-    from gem_kernels.attention.triton_attention import force_variant
-
-    with force_variant(a.variant):
-        run(a)
+    run(a)
 
 
 def run(a) -> None:
@@ -446,25 +461,41 @@ def run(a) -> None:
             with open(a.json, "w") as f:
                 json.dump({"copy_tbs": copy_tbs, "rows": list(rows.values())}, f, indent=1)
 
+    from gem_kernels.attention.triton_attention import force_variant
+
+    variants = a.variants.split(",") if a.variants else [a.variant]
+    key = (lambda n, v: n) if len(variants) == 1 else (lambda n, v: f"{n}@{v}")
     # Ours first for every case, then the baselines (slow to compile), so that a time limit cuts baselines.
     for name in a.cases.split(","):
-        t0 = time.time()
-        try:
-            rows[name] = run_ours(setup_case(name), copy_tbs, a.check_seqs)
-        except Exception as e:
-            rows[name] = {"case": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
-        rows[name]["case_s"] = time.time() - t0
-        print(json.dumps(rows[name]), flush=True)
-        save()
-        if DEV == "cuda":
-            torch.cuda.empty_cache()
+        c = setup_case(name)  # the same inputs for every variant
+        for v in variants:
+            t0 = time.time()
+            try:
+                with force_variant(v):
+                    rows[key(name, v)] = run_ours(c, copy_tbs, a.check_seqs, v)
+            except Exception as e:  # one failing variant must not hide the others
+                rows[key(name, v)] = {
+                    "case": name,
+                    "variant": v,
+                    "error": f"{type(e).__name__}: {str(e)[:500]}",
+                }
+            rows[key(name, v)]["case_s"] = time.time() - t0
+            print(json.dumps(rows[key(name, v)]), flush=True)
+            save()
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+        del c
     for name in a.baselines.split(","):
-        if name not in rows or "error" in rows[name]:
+        ok = [key(name, v) for v in variants if key(name, v) in rows and "error" not in rows[key(name, v)]]
+        if not ok:
             continue
         t0 = time.time()
-        run_baselines(setup_case(name), rows[name])
-        rows[name]["baseline_s"] = time.time() - t0
-        print(json.dumps(rows[name]), flush=True)
+        base_row: dict = {}
+        run_baselines(setup_case(name), base_row)
+        base_row["baseline_s"] = time.time() - t0
+        for k in ok:  # the same baseline numbers beside every variant of the case
+            rows[k].update(base_row)
+            print(json.dumps(rows[k]), flush=True)
         save()
     print_table(list(rows.values()))
 
@@ -473,8 +504,13 @@ def print_table(rows: list[dict]) -> None:
     print("\ncase | fwd ms (TF/s) | bwd ms | fwd+bwd ms (TF/s) | baselines fwd / fwd+bwd ms | check")
     for r in rows:
         if "error" in r:
-            print(f"{r['case']} | ERROR {r['error'][:200]}")
+            print(f"{r['case']}@{r.get('variant')} | ERROR {r['error'][:200]}")
             continue
+        ratio = ""
+        if "flex_fwdbwd_ms" in r:
+            ratio = f" | flex/ours fwd {r['flex_fwd_ms'] / r['ours_fwd_ms']:.2f}x fwd+bwd " + (
+                f"{r['flex_fwdbwd_ms'] / r['ours_fwdbwd_ms']:.2f}x"
+            )
         base = "; ".join(
             f"{b}: {r[b + '_fwd_ms']:.2f} / {r[b + '_fwdbwd_ms']:.2f}"
             for b in ("sdpa", "flex", "padded_silu")
@@ -482,10 +518,10 @@ def print_table(rows: list[dict]) -> None:
         )
         errs = [k for k in r if k.endswith("_error")]
         print(
-            f"{r['case']} | {r['ours_fwd_ms']:.3f} ({r['ours_fwd_tflops']:.0f}) | {r['ours_bwd_ms']:.3f} | "
+            f"{r['case']}@{r.get('variant')} | {r['ours_fwd_ms']:.3f} ({r['ours_fwd_tflops']:.0f}) | {r['ours_bwd_ms']:.3f} | "
             f"{r['ours_fwdbwd_ms']:.3f} ({r['ours_fwdbwd_tflops']:.0f}) | {base} {errs} | "
             f"{'ok' if r['check']['ok'] else 'FAIL'} {max(r['check']['err']):.1e} | "
-            f"copy-frac {r['fwd_frac_of_copy']:.2f}"
+            f"copy-frac {r['fwd_frac_of_copy']:.2f}{ratio}"
         )
 
 
