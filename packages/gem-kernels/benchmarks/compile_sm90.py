@@ -1,0 +1,109 @@
+"""Compiles the jagged attention kernels for sm_90 (Hopper) without a GPU and reports what the compiler
+made of them: TMA copies (``cp.async.bulk.tensor``), ``cp.async`` copies (software-pipelined pointer
+loads), ``wgmma`` instructions, shared memory, and ``setmaxnreg`` (present when warp specialization took).
+
+Catches compile errors of the Hopper-only paths (TMA descriptors, warp specialization) on a CPU machine;
+the installed Triton may differ from the one on the GPU. bf16, D = Dv = 128, 8 warps, 3 stages.
+
+    export PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':')
+    python packages/gem-kernels/benchmarks/compile_sm90.py [fwd dq dkdv tiled]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from gem_kernels.attention import triton_bwd, triton_fwd, triton_persistent
+
+_BF16 = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV_"}
+_PTR32 = {"q_offsets", "kv_offsets", "tiles", "count", "counter"}
+
+
+def signature(fn: Any, consts: dict[str, Any]) -> dict[str, str]:
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in _BF16:
+            sig[name] = "*bf16"
+        elif name in ("LSE", "DELTA"):
+            sig[name] = "*fp32"
+        elif name in _PTR32:
+            sig[name] = "*i32"
+        elif name in ("qk_scale", "out_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def divisible(fn: Any, sig: dict[str, str]) -> dict[tuple[int, ...], list[list[Any]]]:
+    """The hints the JIT gives 16-aligned pointers and strides that are multiples of 16 (H*D, D)."""
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if sig[name].startswith("*") or name.startswith("stride_")
+    }
+
+
+def report(label: str, fn: Any, consts: dict[str, Any]) -> None:
+    t0 = time.time()
+    sig = signature(fn, consts)
+    try:
+        k = triton.compile(
+            ASTSource(fn, sig, consts, attrs=divisible(fn, sig)),
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=8, num_stages=3),
+        )
+    except Exception as e:
+        print(f"{label}: FAIL {type(e).__name__}: {str(e)[:1000]}", flush=True)
+        return
+    ptx = k.asm["ptx"]
+    print(
+        f"{label}: ok {time.time() - t0:.0f}s  tma {ptx.count('cp.async.bulk.tensor')}  "
+        f"cp.async {ptx.count('cp.async.cg') + ptx.count('cp.async.ca')}  wgmma {ptx.count('wgmma.mma_async')}  "
+        f"smem {k.metadata.shared}  setmaxnreg {ptx.count('setmaxnreg')}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    persistent = {
+        "fwd": (triton_persistent._fwd_persistent_kernel, 128, 64),
+        "dq": (triton_persistent._dq_persistent_kernel, 128, 64),
+        "dkdv": (triton_persistent._dkdv_persistent_kernel, 64, 128),
+    }
+    tiled = {
+        "fwd": (triton_fwd._fwd_kernel, 128, 64),
+        "dq": (triton_bwd._dq_kernel, 128, 64),
+        "dkdv": (triton_bwd._dkdv_kernel, 64, 128),
+    }
+    which = sys.argv[1:] or [*persistent, "tiled"]
+    base = dict(D=128, DV=128, BLOCK_D=128, BLOCK_DV=128, PRECISION="tf32")
+    for name in which:
+        if name == "tiled":
+            for kname, (fn, bm, bn) in tiled.items():
+                for act in (0, 1):
+                    consts = dict(base, ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST_ACT=act == 1)
+                    report(f"tiled {kname} act={act}", fn, consts)
+            continue
+        fn, bm, bn = persistent[name]
+        for act, tma, ws in [
+            (0, False, False),
+            (0, True, False),
+            (1, False, False),
+            (1, True, False),
+            (1, True, True),
+        ]:
+            consts = dict(base, ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST_ACT=act == 1, USE_TMA=tma, WS=ws)
+            report(f"persistent {name} act={act} tma={tma} ws={ws}", fn, consts)
+
+
+if __name__ == "__main__":
+    main()
