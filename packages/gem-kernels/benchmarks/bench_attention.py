@@ -518,7 +518,8 @@ def print_table(rows: list[dict]) -> None:
         )
         errs = [k for k in r if k.endswith("_error")]
         print(
-            f"{r['case']}@{r.get('variant')} | {r['ours_fwd_ms']:.3f} ({r['ours_fwd_tflops']:.0f}) | {r['ours_bwd_ms']:.3f} | "
+            f"{r['case']}@{r.get('variant')} | {r['ours_fwd_ms']:.3f} ({r['ours_fwd_tflops']:.0f}) | "
+            f"{r['ours_bwd_ms']:.3f} | "
             f"{r['ours_fwdbwd_ms']:.3f} ({r['ours_fwdbwd_tflops']:.0f}) | {base} {errs} | "
             f"{'ok' if r['check']['ok'] else 'FAIL'} {max(r['check']['err']):.1e} | "
             f"copy-frac {r['fwd_frac_of_copy']:.2f}{ratio}"

@@ -67,7 +67,8 @@ def report(label: str, fn: Any, consts: dict[str, Any]) -> None:
     ptx = k.asm["ptx"]
     print(
         f"{label}: ok {time.time() - t0:.0f}s  tma {ptx.count('cp.async.bulk.tensor')}  "
-        f"cp.async {ptx.count('cp.async.cg') + ptx.count('cp.async.ca')}  wgmma {ptx.count('wgmma.mma_async')}  "
+        f"cp.async {ptx.count('cp.async.cg') + ptx.count('cp.async.ca')}  "
+        f"wgmma {ptx.count('wgmma.mma_async')}  "
         f"smem {k.metadata.shared}  setmaxnreg {ptx.count('setmaxnreg')}",
         flush=True,
     )

@@ -30,29 +30,144 @@ def cases():
     for variant in ("persistent", "tma"):
         for act in ("softmax", "silu"):
             for mname, causal, window in (("none", False, None), ("causal", True, None)):
-                out.append((f"{variant}-self-{act}-{mname}", variant, act, SELF_LENGTHS, None, causal, window,
-                            F32, 16, 16, (32, 32), False))
-        out.append((f"{variant}-self-gelu-window", variant, "gelu", SELF_LENGTHS, None, False, (5, 3), F32,
-                    16, 16, (32, 32), False))
-        out.append((f"{variant}-cross-softmax", variant, "softmax", CROSS_Q, CROSS_KV, False, None, F32, 16,
-                    16, (32, 32), False))
-        out.append((f"{variant}-pma-silu", variant, "silu", PMA_Q, PMA_KV, False, None, F32, 16, 16,
-                    (32, 32), False))
+                out.append(
+                    (
+                        f"{variant}-self-{act}-{mname}",
+                        variant,
+                        act,
+                        SELF_LENGTHS,
+                        None,
+                        causal,
+                        window,
+                        F32,
+                        16,
+                        16,
+                        (32, 32),
+                        False,
+                    )
+                )
+        out.append(
+            (
+                f"{variant}-self-gelu-window",
+                variant,
+                "gelu",
+                SELF_LENGTHS,
+                None,
+                False,
+                (5, 3),
+                F32,
+                16,
+                16,
+                (32, 32),
+                False,
+            )
+        )
+        out.append(
+            (
+                f"{variant}-cross-softmax",
+                variant,
+                "softmax",
+                CROSS_Q,
+                CROSS_KV,
+                False,
+                None,
+                F32,
+                16,
+                16,
+                (32, 32),
+                False,
+            )
+        )
+        out.append(
+            (f"{variant}-pma-silu", variant, "silu", PMA_Q, PMA_KV, False, None, F32, 16, 16, (32, 32), False)
+        )
     # Asymmetric tiles, a causal window, fp16, and the WS variant (the interpreter ignores WS).
     out += [
-        ("tma-blocks16x32-softmax-causal_window", "tma", "softmax", SELF_LENGTHS, None, True, (9, 7), F32, 16,
-         16, (16, 32), False),
-        ("tma-blocks32x16-silu-causal", "tma", "silu", SELF_LENGTHS, None, True, None, F32, 16, 16, (32, 16),
-         False),
-        ("tma-fp16-softmax-causal", "tma", "softmax", SELF_LENGTHS, None, True, None, F16, 16, 16, (32, 32),
-         False),
-        ("tma_ws-self-silu-causal", "tma_ws", "silu", SELF_LENGTHS, None, True, None, F32, 16, 16, (32, 32),
-         False),
+        (
+            "tma-blocks16x32-softmax-causal_window",
+            "tma",
+            "softmax",
+            SELF_LENGTHS,
+            None,
+            True,
+            (9, 7),
+            F32,
+            16,
+            16,
+            (16, 32),
+            False,
+        ),
+        (
+            "tma-blocks32x16-silu-causal",
+            "tma",
+            "silu",
+            SELF_LENGTHS,
+            None,
+            True,
+            None,
+            F32,
+            16,
+            16,
+            (32, 16),
+            False,
+        ),
+        (
+            "tma-fp16-softmax-causal",
+            "tma",
+            "softmax",
+            SELF_LENGTHS,
+            None,
+            True,
+            None,
+            F16,
+            16,
+            16,
+            (32, 32),
+            False,
+        ),
+        (
+            "tma_ws-self-silu-causal",
+            "tma_ws",
+            "silu",
+            SELF_LENGTHS,
+            None,
+            True,
+            None,
+            F32,
+            16,
+            16,
+            (32, 32),
+            False,
+        ),
         # Layouts TMA cannot address (head dims not powers of two; strided heads): pointer loads instead.
-        ("tma-dims24x8-softmax-causal", "tma", "softmax", [19, 0, 45], None, True, None, F32, 24, 8,
-         (32, 32), False),
-        ("tma-strided-silu-cross", "tma", "silu", CROSS_Q, CROSS_KV, False, None, F32, 16, 16, (32, 32),
-         True),
+        (
+            "tma-dims24x8-softmax-causal",
+            "tma",
+            "softmax",
+            [19, 0, 45],
+            None,
+            True,
+            None,
+            F32,
+            24,
+            8,
+            (32, 32),
+            False,
+        ),
+        (
+            "tma-strided-silu-cross",
+            "tma",
+            "silu",
+            CROSS_Q,
+            CROSS_KV,
+            False,
+            None,
+            F32,
+            16,
+            16,
+            (32, 32),
+            True,
+        ),
     ]
     return out
 
@@ -76,10 +191,23 @@ def main() -> None:
         if quick and name not in QUICK:
             continue
         before = dict(tp.launches)
-        r = run_case(name, act, lq, lk, causal, window, dtype, d=d, dv=dv, blocks=blocks, variant=variant,
-                     strided=strided)
-        r["launches"] = {f"{k[0]}:{k[1]}": n - before.get(k, 0) for k, n in tp.launches.items()
-                         if n > before.get(k, 0)}
+        r = run_case(
+            name,
+            act,
+            lq,
+            lk,
+            causal,
+            window,
+            dtype,
+            d=d,
+            dv=dv,
+            blocks=blocks,
+            variant=variant,
+            strided=strided,
+        )
+        r["launches"] = {
+            f"{k[0]}:{k[1]}": n - before.get(k, 0) for k, n in tp.launches.items() if n > before.get(k, 0)
+        }
         results.append(r)
     print("JSON:" + json.dumps(results))
 

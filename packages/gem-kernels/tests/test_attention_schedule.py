@@ -39,8 +39,10 @@ def test_schedule_lists_real_tiles_heaviest_first(lo_dist, hi_dist):
     items = sched.tiles[: len(real)].tolist()
     assert sorted(items) == sorted(real)  # every real tile once, none of the empty ones
     assert sorted(sched.tiles.tolist()) == list(range(sched.capacity))  # a permutation
-    costs = [_brute_cost(lq[i // n_tiles], lk[i // n_tiles], i % n_tiles * block, block, lo_dist, hi_dist)
-             for i in items]
+    costs = [
+        _brute_cost(lq[i // n_tiles], lk[i // n_tiles], i % n_tiles * block, block, lo_dist, hi_dist)
+        for i in items
+    ]
     assert costs == sorted(costs, reverse=True)
     assert sched.tiles.dtype == torch.int32 and sched.count.dtype == torch.int32
 

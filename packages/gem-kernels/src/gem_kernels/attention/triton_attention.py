@@ -285,11 +285,11 @@ def attention_fwd(
     if q.shape[0] == 0 or batch == 0 or heads == 0:
         return out, lse
     left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
-    if (_forced_variant or DEFAULT_VARIANT) in PERSISTENT_VARIANTS:
+    if (variant := _forced_variant or DEFAULT_VARIANT) in PERSISTENT_VARIANTS:
         from gem_kernels.attention import triton_persistent_launch as tp
 
         tp.attention_fwd(q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, left, right, qk_scale,
-                         out_scale, buckets, consts, _forced_variant or DEFAULT_VARIANT, _forced)
+                         out_scale, buckets, consts, variant, _forced)
         return out, lse
     args = (q, k, v, out, lse, q_offsets, kv_offsets, *_strides(q, k, v, out), heads, left, right, qk_scale,
             out_scale, *buckets)
@@ -328,12 +328,11 @@ def attention_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     dout, out = dout.contiguous(), out.contiguous()  # dO is addressed with O's strides
     left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
-    if (_forced_variant or DEFAULT_VARIANT) in PERSISTENT_VARIANTS:
+    if (variant := _forced_variant or DEFAULT_VARIANT) in PERSISTENT_VARIANTS:
         from gem_kernels.attention import triton_persistent_launch as tp
 
         tp.attention_bwd(dout, q, k, v, out, lse, dq, dk, dv, q_offsets, kv_offsets, max_q_len, max_kv_len,
-                         left, right, qk_scale, out_scale, buckets, consts, _forced_variant or DEFAULT_VARIANT,
-                         _forced)
+                         left, right, qk_scale, out_scale, buckets, consts, variant, _forced)
         return dq, dk, dv
     strides = _strides(q, k, v, out)
 

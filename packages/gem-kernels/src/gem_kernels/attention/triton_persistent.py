@@ -152,8 +152,8 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets, tiles, coun
                                    WS)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh,
                                    stride_vt, stride_vh, offs_m, len_kv, full_lo, full_hi, left, right,
-                                   s_scale, ACT, False, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
-                                   USE_TMA, WS)
+                                   s_scale, ACT, False, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION,
+                                   FAST_ACT, USE_TMA, WS)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh,
                                    stride_vt, stride_vh, offs_m, len_kv, full_hi, hi, left, right, s_scale,
                                    ACT, True, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA,
@@ -243,14 +243,14 @@ def _dq_persistent_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offset
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         lo, full_lo, full_hi, hi = _band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stride_kh, stride_vt,
-                       stride_vh, offs_m, len_kv, lo, full_lo, left, right, s_scale, ACT, True, D, DV, BLOCK_N,
-                       BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA, WS)
+                       stride_vh, offs_m, len_kv, lo, full_lo, left, right, s_scale, ACT, True, D, DV,
+                       BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA, WS)
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stride_kh, stride_vt,
                        stride_vh, offs_m, len_kv, full_lo, full_hi, left, right, s_scale, ACT, False, D, DV,
                        BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA, WS)
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stride_kh, stride_vt,
-                       stride_vh, offs_m, len_kv, full_hi, hi, left, right, s_scale, ACT, True, D, DV, BLOCK_N,
-                       BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA, WS)
+                       stride_vh, offs_m, len_kv, full_hi, hi, left, right, s_scale, ACT, True, D, DV,
+                       BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA, WS)
         _store_rows(DQ, dq * dq_scale, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
         w = _next_item(counter)
 
@@ -338,15 +338,17 @@ def _dkdv_persistent_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offs
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         lo, full_lo, full_hi, hi = _band_ranges(start_n, len_q, right, left, BLOCK_N, BLOCK_M)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, stride_qt,
-                             stride_qh, stride_ot, stride_oh, offs_n, len_q, lo, full_lo, left, right, s_scale,
-                             ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA, WS)
+                             stride_qh, stride_ot, stride_oh, offs_n, len_q, lo, full_lo, left, right,
+                             s_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
+                             USE_TMA, WS)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, stride_qt,
                              stride_qh, stride_ot, stride_oh, offs_n, len_q, full_lo, full_hi, left, right,
                              s_scale, ACT, False, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
                              USE_TMA, WS)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, stride_qt,
-                             stride_qh, stride_ot, stride_oh, offs_n, len_q, full_hi, hi, left, right, s_scale,
-                             ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA, WS)
+                             stride_qh, stride_ot, stride_oh, offs_n, len_q, full_hi, hi, left, right,
+                             s_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
+                             USE_TMA, WS)
         _store_rows(DK, dk * dk_scale, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
         _store_rows(DV_, dv * dv_scale, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
         w = _next_item(counter)

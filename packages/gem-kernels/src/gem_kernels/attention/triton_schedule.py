@@ -70,7 +70,9 @@ def build_schedule(
 # Weak references to the offsets of recent schedules; an entry is used only while its tensors are alive
 # and unmodified (same object, same version), so a freed and reallocated offsets buffer never matches.
 _CACHE_SIZE = 16
-_cache: dict[tuple[object, ...], tuple[weakref.ref, weakref.ref, int, int, TileSchedule]] = {}
+_cache: dict[
+    tuple[object, ...], tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int, int, TileSchedule]
+] = {}
 
 
 def cached_schedule(
@@ -87,9 +89,9 @@ def cached_schedule(
     hit = _cache.get(key)
     if hit is not None:
         ro, ri, vo, vi, sched = hit
-        if ro() is outer_offsets and ri() is inner_offsets:
-            if (outer_offsets._version, inner_offsets._version) == (vo, vi):
-                return sched
+        same = ro() is outer_offsets and ri() is inner_offsets
+        if same and (outer_offsets._version, inner_offsets._version) == (vo, vi):
+            return sched
     sched = build_schedule(outer_offsets, inner_offsets, max_outer_len, block_outer, lo_dist, hi_dist, heads)
     if len(_cache) >= _CACHE_SIZE:
         _cache.pop(next(iter(_cache)))
