@@ -50,6 +50,8 @@ from gem_train.train_log import TrainWindow
 
 __all__ = ["NonFiniteLossError", "StopNow", "TrainResult", "Trainer"]
 
+HOST_AHEAD = 2  # training batches a host thread holds ready on CUDA (received from the workers, pinned)
+
 
 class NonFiniteLossError(RuntimeError):
     """The loss (or the dense gradient norm) became NaN/Inf; the message names the step."""
@@ -303,18 +305,24 @@ class Trainer:
         )
         loader = self._train_stream(step)
         window = TrainWindow(self.tasks, self.device)
-        count_flops = r.built.flops if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        count_flops = r.built.flops if cuda else None
+        # Batches pinned by the loader, copied one step ahead on a side stream (gem_train.prefetch). On
+        # CUDA a host thread also receives them from the loader's workers (tens of ms per base-h200 batch)
+        # and counts their FLOPs while the GPU runs the current step: each step ends with a host sync, so
+        # host work between two steps is GPU idle time.
+        counted = ((lb, count_flops(lb.batch) if count_flops else 0) for lb in loader)
+        it = DevicePrefetcher(
+            counted, self.device, select=lambda item: item[0].batch, host_ahead=HOST_AHEAD if cuda else 0
+        )
         try:
-            # Batches pinned by the loader, copied one step ahead on a side stream (gem_train.prefetch).
-            it = DevicePrefetcher(loader, self.device, select=lambda lb: lb.batch)
             if self._should_stop():
                 status = "interrupted"
             while status == "completed" and step < total:
-                lb, batch = next(it)  # lb.batch on the host, batch on the device
+                (lb, flops), batch = next(it)  # lb.batch on the host, batch on the device
                 if isinstance(loader, BalancedTrainStream):  # its state as of this batch, for checkpoints
                     self.balancer_state = loader.state_after(lb.index)
-                if count_flops is not None:
-                    window.flops += count_flops(lb.batch)  # host-side count
+                window.flops += flops
                 out = r.train_step(batch, step)
                 step += 1
                 bar.update(1)
@@ -341,6 +349,7 @@ class Trainer:
                 elif self._should_stop():
                     status = "interrupted"
         finally:
+            it.close()
             bar.close()
         return step, status
 

@@ -125,7 +125,7 @@ class BalancedTrainStream:
     def state_after(self, index: int) -> dict[str, Any]:
         """The shuffler's state right after batch ``index`` was emitted (read ahead batches are not in it:
         the device prefetcher holds one). Drops the states of earlier batches."""
-        for k in [k for k in self._states if k < index]:
+        for k in [k for k in list(self._states) if k < index]:  # list(): the prefetch thread adds
             del self._states[k]
         return self._states[index]
 
