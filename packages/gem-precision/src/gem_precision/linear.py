@@ -14,6 +14,10 @@ from gem_precision.mx import MXTensor, mx_mm, random_hadamard, to_mx
 from gem_precision.recipe import Recipe
 from gem_precision.rowwise import fp8_rowwise_dgrad_wgrad, fp8_rowwise_mm
 
+# fp8_rowwise backward: both GEMMs in one op that reads dy once for its two FP8 copies (False: two
+# fp8_rowwise_mm calls, the previous path; benchmarks compare them).
+FUSED_BACKWARD = True
+
 # MX operands memoized per GEMM call: by tensor name (square tiles) or by (name, K axis).
 MXCache = dict[str | tuple[str, int], MXTensor]
 
