@@ -129,8 +129,8 @@ def _scale_of(amax_bits, MAXV: tl.constexpr):
 
 @triton.jit
 def _quant_bits(x, scale, MBITS: tl.constexpr, BIAS: tl.constexpr, MAXV: tl.constexpr, NATIVE: tl.constexpr):
-    """FP8 bits (int32, 0..255) of fp32 ``x / scale`` saturated to the format (the element rule of every kernel
-    here and of the reference)."""
+    """FP8 bits (int32, 0..255) of fp32 ``x / scale`` saturated to the format (the element rule of every
+    kernel here and of the reference)."""
     v = tl.minimum(tl.maximum(x / scale, -MAXV), MAXV)
     return fp8_bits(v, v, MBITS, BIAS, False, NATIVE)
 
