@@ -56,7 +56,7 @@ def test_schedule_defaults():
 @pytest.mark.timeout(900)
 def test_quality_run_tiny_cpu(tmp_path):
     """Two recipes (one process each), 4 steps of tiny-cpu with one-batch evaluations: NE curves, the floor,
-    steady windows and event costs are in the JSON, and the PNG exists (194 s on the loaded 2-core machine)."""
+    steady windows and event costs are in the JSON, and the PNG exists (194 s on the loaded 2-core box)."""
     argv = "--config tiny-cpu --steps 4 --eval-every 2 --checkpoint-every 3 --log-every 1 --warmup-steps 1"
     rc = _module().main([*argv.split(), "--set", "train.eval_batches=1", "--out", str(tmp_path)])
     assert rc == 0
