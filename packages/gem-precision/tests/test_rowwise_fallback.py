@@ -198,3 +198,91 @@ def test_cuda_shapes_scaled_mm_refuses_run():
     yb = big(xb)
     yb.float().square().mean().backward()
     assert torch.isfinite(big.weight.grad).all() and torch.isfinite(xb.grad).all()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "n"),
+    [
+        (37, 64, 48),  # both backward GEMMs FP8 (wgrad K = 37 padded): dy's two copies from one pass
+        (4, 64, 512),  # tiny M: dgrad (M = 4) and wgrad (K = 4) unquantized
+        (37, 64, 40),  # N = 40: dgrad FP8 (K = 40 padded), wgrad's M = 40 FP8, N = 64
+        (37, 20, 48),  # K_in = 20: both GEMMs' N is 20 -> unquantized
+        (0, 64, 48),  # no tokens: dx empty, dw zeros
+        (1, 16, 16),
+    ],
+)
+def test_fused_backward_equals_two_gemms(tokens, k, n):
+    """``fp8_rowwise_dgrad_wgrad`` = ``fp8_rowwise_mm`` for dgrad and for wgrad, bit for bit, fallbacks
+    included; the layer's backward (which now calls it) gives the same gradients."""
+    from gem_precision import fp8_rowwise_dgrad_wgrad
+
+    torch.manual_seed(tokens + k + n)
+    dy = torch.randn(tokens, n, dtype=torch.bfloat16) * 3
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    x = torch.randn(tokens, k, dtype=torch.bfloat16)
+    dx, dw = fp8_rowwise_dgrad_wgrad(dy, w, x, grad_elem_dtype=torch.float8_e5m2)
+    want_dx = fp8_rowwise_mm(dy, w, b_t=True, elem_dtype=torch.float8_e5m2, b_elem_dtype=torch.float8_e4m3fn)
+    want_dw = fp8_rowwise_mm(dy, x, a_t=True, b_t=True, elem_dtype=torch.float8_e5m2,
+                             b_elem_dtype=torch.float8_e4m3fn)  # fmt: skip
+    assert dx.shape == (tokens, k) and dw.shape == (n, k)
+    assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
+    lin = MXFP8Linear.from_linear(nn.Linear(k, n), Recipe.fp8_rowwise(grad_elem_dtype=torch.float8_e5m2))
+    lin.weight.data = w.float()
+    _, gx, gw, _ = _run(lin.layer_recipe, lin, x, dy)
+    if lin.layer_recipe.gemms[1:] == ("fp8_rowwise", "fp8_rowwise"):  # the fused op's path
+        assert torch.equal(gx, dx) and torch.equal(gw, dw.float())
+
+
+def test_fused_backward_quantizes_when_it_can():
+    """Not vacuous: where both GEMMs take FP8, the fused op differs from the bf16 products."""
+    from gem_precision import fp8_rowwise_dgrad_wgrad
+
+    dy, w, x = torch.randn(37, 48), torch.randn(48, 64), torch.randn(37, 64)
+    dx, dw = fp8_rowwise_dgrad_wgrad(dy, w, x, out_dtype=torch.float32)
+    assert not torch.equal(dx, dy @ w) and not torch.equal(dw, dy.t() @ x)
+    assert (dx - dy @ w).norm() / (dy @ w).norm() < 0.06
+
+
+def test_fused_backward_checks_and_opcheck():
+    from gem_precision import fp8_rowwise_dgrad_wgrad, quantize_rowwise_both
+
+    with pytest.raises(ValueError, match="not dy"):
+        fp8_rowwise_dgrad_wgrad(torch.randn(8, 16), torch.randn(16, 32), torch.randn(8, 31))
+    op = torch.ops.gem_precision.fp8_rowwise_dgrad_wgrad.default
+    for m, n, k in ((37, 48, 64), (4, 16, 32), (20, 40, 21)):
+        args = (torch.randn(m, n), torch.randn(n, k), torch.randn(m, k), torch.float8_e4m3fn,
+                torch.float8_e4m3fn, torch.float32, True)  # fmt: skip
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    x = torch.randn(37, 21)
+    rd, rs, cd, cs = quantize_rowwise_both(x, torch.float8_e5m2, row_k_multiple=16, col_k_multiple=16)
+    want = (
+        *quantize_rowwise(x, torch.float8_e5m2, k_multiple=16),
+        *quantize_rowwise(x, transpose=True, k_multiple=16),
+    )
+    for got, ref in zip((rd, rs, cd, cs), want):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        assert (
+            torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+            if got.dtype.itemsize == 1
+            else torch.equal(got, ref)
+        )
+    with pytest.raises(ValueError, match="k multiples"):
+        quantize_rowwise_both(x, col_k_multiple=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_backward_equals_two_gemms():
+    """On the GPU the two-copy kernel (dy's row and column copies in one pass) gives the bytes of the two
+    separate quantizers, so the fused backward equals two ``fp8_rowwise_mm`` calls bit for bit."""
+    from gem_precision import fp8_rowwise_dgrad_wgrad
+
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev) < (8, 9):
+        pytest.skip("torch._scaled_mm needs sm89+")
+    dy = torch.randn(3001, 1024, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(1024, 512, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(3001, 512, device=dev, dtype=torch.bfloat16)
+    dx, dw = fp8_rowwise_dgrad_wgrad(dy, w, x)
+    assert torch.equal(dx, fp8_rowwise_mm(dy, w, b_t=True))
+    assert torch.equal(dw, fp8_rowwise_mm(dy, x, a_t=True, b_t=True))

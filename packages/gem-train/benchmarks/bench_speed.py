@@ -51,7 +51,16 @@ from gem_train.run import build_run, build_source
 ALIASES = {"tiny": "tiny-cpu"}
 
 # Kernel name substrings -> kind (first match wins; lower-cased names).
-_QUANT = ("_rowwise_kernel", "_col_amax", "_col_quant", "_to_mx", "_dequant", "_block_quant")
+_QUANT = (
+    "_rowwise_kernel",
+    "_col_amax",
+    "_col_quant",
+    "_tile_amax",
+    "_tile_quant",
+    "_to_mx",
+    "_dequant",
+    "_block_quant",
+)
 _GEMM = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "matmul", "scaled_mm", "f8f8", "_mx_mm")
 _ATTENTION = ("_fwd_kernel", "_dq_kernel", "_dkdv_kernel", "_fwd_short_kv", "_bwd_short_kv", "_bwd_few_q",
               "_block_attention", "attention", "gdpa")  # fmt: skip

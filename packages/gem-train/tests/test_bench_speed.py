@@ -22,6 +22,7 @@ def test_kernel_kinds():
     kind = _module().kernel_kind
     assert kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
     assert kind("_rowwise_kernel") == "fp8 / mx quantization"
+    assert kind("_tile_quant_kernel") == kind("_tile_amax_kernel") == "fp8 / mx quantization"
     assert kind("_fwd_kernel") == "attention (gem_kernels)"
     assert kind("triton_poi_fused_add_mul_0") == "inductor fused"
     assert kind("_rotary_kernel") == "jagged / rotary (gem_kernels)"

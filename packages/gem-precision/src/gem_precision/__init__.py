@@ -5,7 +5,12 @@ from gem_precision.convert import convert, default_skip
 from gem_precision.linear import MXFP8Linear
 from gem_precision.mx import MXTensor, mx_mm, random_hadamard, to_mx
 from gem_precision.recipe import Recipe
-from gem_precision.rowwise import fp8_rowwise_mm, quantize_rowwise
+from gem_precision.rowwise import (
+    fp8_rowwise_dgrad_wgrad,
+    fp8_rowwise_mm,
+    quantize_rowwise,
+    quantize_rowwise_both,
+)
 
 __version__ = "0.1.0"
 
@@ -16,9 +21,11 @@ __all__ = [
     "compress_saved_activations",
     "convert",
     "default_skip",
+    "fp8_rowwise_dgrad_wgrad",
     "fp8_rowwise_mm",
     "mx_mm",
     "quantize_rowwise",
+    "quantize_rowwise_both",
     "random_hadamard",
     "to_mx",
 ]

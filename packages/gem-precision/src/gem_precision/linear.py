@@ -12,7 +12,11 @@ from torch import nn
 from gem_precision.formats import check_float_tensor
 from gem_precision.mx import MXTensor, mx_mm, random_hadamard, to_mx
 from gem_precision.recipe import Recipe
-from gem_precision.rowwise import fp8_rowwise_mm
+from gem_precision.rowwise import fp8_rowwise_dgrad_wgrad, fp8_rowwise_mm
+
+# fp8_rowwise backward: both GEMMs in one op that reads dy once for its two FP8 copies (False: two
+# fp8_rowwise_mm calls, the previous path; benchmarks compare them).
+FUSED_BACKWARD = True
 
 # MX operands memoized per GEMM call: by tensor name (square tiles) or by (name, K axis).
 MXCache = dict[str | tuple[str, int], MXTensor]
@@ -153,13 +157,29 @@ class _MXLinearFn(torch.autograd.Function):
         cache: MXCache = ctx.mx_cache
         ctx.mx_cache = None
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        if (
+            recipe.dgrad == recipe.wgrad == "fp8_rowwise"
+            and ctx.needs_input_grad[0]
+            and ctx.needs_input_grad[1]
+        ):
+            # One op for both: dy's two FP8 copies (along N and along the tokens) from one read of dy.
+            dx, dw = fp8_rowwise_dgrad_wgrad(
+                dy2,
+                w,
+                x2,
+                grad_elem_dtype=recipe.grad_elem_dtype,
+                elem_dtype=recipe.elem_dtype,
+                out_dtype=dtype,
+                use_fast_accum=recipe.fp8_fast_accum,
+            )
+            dx, dw = dx.reshape(ctx.x_shape), dw.to(weight.dtype)
+        if dx is None and ctx.needs_input_grad[0]:
             # dx [M, K] = dy [M, N] @ w [N, K]: this GEMM's K is N; B = w.T, stored as w.
             dx = _gemm(
                 recipe.dgrad, q, cache, ("dy", dy2, False), ("w", w, True), a_grad=True, out_dtype=dtype
             )
             dx = dx.reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
+        if dw is None and ctx.needs_input_grad[1]:
             # dw [N, K] = dy.T [N, M] @ x [M, K]: this GEMM's K is M; A = dy.T, B = x.T stored as x.
             dw = _gemm(
                 recipe.wgrad, q, cache, ("dy", dy2, True), ("x", x2, True), a_grad=True, out_dtype=dtype

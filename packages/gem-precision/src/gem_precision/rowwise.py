@@ -91,6 +91,49 @@ def quantize_rowwise(
     return data, scale
 
 
+def quantize_rowwise_both(
+    x: torch.Tensor,
+    row_dtype: torch.dtype = torch.float8_e4m3fn,
+    col_dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    row_k_multiple: int = 1,
+    col_k_multiple: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both row-wise copies of ``x [R, C]``: of ``x`` and of ``x.T``, from one pass over ``x`` on CUDA.
+
+    The backward of a linear layer quantizes the output gradient ``dy`` along N (its dgrad GEMM's K) and
+    along the tokens (its wgrad GEMM's K); on CUDA one Triton pass finds both sets of maxima and one more
+    writes both copies (two reads of ``x`` instead of four).
+
+    Returns:
+        ``(row_data [R, C'] row_dtype, row_scale [R, 1], colt_data [C, R'] col_dtype, col_scale [C, 1])``,
+        each equal to :func:`quantize_rowwise` of ``x`` (``k_multiple=row_k_multiple``) and of ``x`` with
+        ``transpose=True`` (``k_multiple=col_k_multiple``).
+    """
+    check_float_tensor("quantize_rowwise_both", "x", x)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rowwise_both needs a 2-D tensor, got shape {tuple(x.shape)}")
+    if row_k_multiple < 1 or col_k_multiple < 1:
+        raise ValueError(
+            f"quantize_rowwise_both: k multiples must be >= 1, got {row_k_multiple}, {col_k_multiple}"
+        )
+    if x.is_cuda:
+        from gem_precision import triton_rowwise
+
+        colt, cs, row, rs = triton_rowwise.quantize_tiles_triton(
+            x,
+            elem_format(col_dtype),
+            col_k_multiple=col_k_multiple,
+            row_fmt=elem_format(row_dtype),
+            row_k_multiple=row_k_multiple,
+        )
+        assert row is not None and rs is not None
+        return row, rs, colt, cs
+    row, rs = quantize_rowwise(x, row_dtype, k_multiple=row_k_multiple)
+    colt, cs = quantize_rowwise(x, col_dtype, transpose=True, k_multiple=col_k_multiple)
+    return row, rs, colt, cs
+
+
 def _scaled_mm_supported(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 9)
 
@@ -172,8 +215,7 @@ def fp8_rowwise_mm(
     return out
 
 
-@torch.library.custom_op("gem_precision::fp8_rowwise_mm", mutates_args=())
-def _fp8_rowwise_mm_op(
+def _mm_impl(
     a: torch.Tensor,
     b: torch.Tensor,
     a_t: bool,
@@ -183,6 +225,7 @@ def _fp8_rowwise_mm_op(
     out_dtype: torch.dtype,
     use_fast_accum: bool,
 ) -> torch.Tensor:
+    """The body of ``gem_precision::fp8_rowwise_mm`` (see :func:`fp8_rowwise_mm`)."""
     m, k = (a.shape[1], a.shape[0]) if a_t else (a.shape[0], a.shape[1])
     n = b.shape[1] if b_t else b.shape[0]
     if k == 0 or m == 0 or n == 0:  # an empty sum (e.g. wgrad of an empty batch) or an empty result
@@ -194,6 +237,20 @@ def _fp8_rowwise_mm_op(
     qa, sa = quantize_rowwise(a, elem_dtype, transpose=a_t, k_multiple=FP8_ALIGN)
     qb, sb = quantize_rowwise(b, b_elem_dtype, transpose=b_t, k_multiple=FP8_ALIGN)
     return scaled_mm_rowwise(qa, sa, qb, sb, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+@torch.library.custom_op("gem_precision::fp8_rowwise_mm", mutates_args=())
+def _fp8_rowwise_mm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_t: bool,
+    b_t: bool,
+    elem_dtype: torch.dtype,
+    b_elem_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    return _mm_impl(a, b, a_t, b_t, elem_dtype, b_elem_dtype, out_dtype, use_fast_accum)
 
 
 @_fp8_rowwise_mm_op.register_fake
@@ -210,3 +267,82 @@ def _(
     m = a.shape[1] if a_t else a.shape[0]
     n = b.shape[1] if b_t else b.shape[0]
     return a.new_empty((m, n), dtype=out_dtype)
+
+
+def fp8_rowwise_dgrad_wgrad(
+    dy: torch.Tensor,
+    w: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    grad_elem_dtype: torch.dtype = torch.float8_e4m3fn,
+    elem_dtype: torch.dtype = torch.float8_e4m3fn,
+    out_dtype: torch.dtype = torch.bfloat16,
+    use_fast_accum: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both backward GEMMs of ``y = x @ w.T`` in FP8 row-wise: ``dx = dy @ w`` and ``dw = dy.T @ x``.
+
+    Equal to two :func:`fp8_rowwise_mm` calls (``(dy, w, b_t=True)`` and ``(dy, x, a_t=True, b_t=True)``,
+    each with its own fallback), but ``dy`` is read once for both of its FP8 copies when both GEMMs take FP8
+    (:func:`quantize_rowwise_both`). The custom op ``gem_precision::fp8_rowwise_dgrad_wgrad`` (opaque to
+    ``torch.compile``).
+
+    Args:
+        dy: ``[M, N]`` output gradient. w: ``[N, K]`` weight. x: ``[M, K]`` input.
+
+    Returns:
+        ``(dx [M, K], dw [N, K])`` of ``out_dtype``.
+    """
+    for name, t in (("dy", dy), ("w", w), ("x", x)):
+        check_float_tensor("fp8_rowwise_dgrad_wgrad", name, t)
+        if t.dim() != 2:
+            raise ValueError(f"fp8_rowwise_dgrad_wgrad: {name} must be 2-D, got shape {tuple(t.shape)}")
+    (m, n), k = dy.shape, w.shape[1]
+    if w.shape[0] != n or x.shape != (m, k):
+        raise ValueError(
+            f"fp8_rowwise_dgrad_wgrad: shapes dy {tuple(dy.shape)}, w {tuple(w.shape)}, x {tuple(x.shape)} "
+            "are not dy [M, N], w [N, K], x [M, K]"
+        )
+    dx, dw = torch.ops.gem_precision.fp8_rowwise_dgrad_wgrad(
+        dy, w, x, grad_elem_dtype, elem_dtype, out_dtype, use_fast_accum
+    )
+    return dx, dw
+
+
+@torch.library.custom_op("gem_precision::fp8_rowwise_dgrad_wgrad", mutates_args=())
+def _dgrad_wgrad_op(
+    dy: torch.Tensor,
+    w: torch.Tensor,
+    x: torch.Tensor,
+    grad_elem_dtype: torch.dtype,
+    elem_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    (m, n), k = dy.shape, w.shape[1]
+    # dgrad [M, N] @ [N, K] (K of the GEMM: N); wgrad [N, M] @ [M, K] (K of the GEMM: the M tokens).
+    both = min(m, n, k) > 0 and rowwise_fallback(m, n, k) is None and rowwise_fallback(n, m, k) is None
+    if not both:
+        dx = _mm_impl(dy, w, False, True, grad_elem_dtype, elem_dtype, out_dtype, use_fast_accum)
+        dw = _mm_impl(dy, x, True, True, grad_elem_dtype, elem_dtype, out_dtype, use_fast_accum)
+        return dx, dw
+    qdy, sdy, qdyt, sdyt = quantize_rowwise_both(
+        dy, grad_elem_dtype, grad_elem_dtype, row_k_multiple=FP8_ALIGN, col_k_multiple=FP8_ALIGN
+    )
+    qwt, swt = quantize_rowwise(w, elem_dtype, transpose=True, k_multiple=FP8_ALIGN)
+    qxt, sxt = quantize_rowwise(x, elem_dtype, transpose=True, k_multiple=FP8_ALIGN)
+    dx = scaled_mm_rowwise(qdy, sdy, qwt, swt, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    dw = scaled_mm_rowwise(qdyt, sdyt, qxt, sxt, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return dx, dw
+
+
+@_dgrad_wgrad_op.register_fake
+def _(
+    dy: torch.Tensor,
+    w: torch.Tensor,
+    x: torch.Tensor,
+    grad_elem_dtype: torch.dtype,
+    elem_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return dy.new_empty((dy.shape[0], w.shape[1]), dtype=out_dtype), w.new_empty(w.shape, dtype=out_dtype)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["plot_curves", "plot_reliability"]
+__all__ = ["plot_curves", "plot_ne_comparison", "plot_reliability"]
 
 
 def _pyplot() -> ModuleType:
@@ -100,3 +100,24 @@ def plot_reliability(
     ax.set_ylim(0, 1)
     return _save(plt, fig, ax, path, "mean predicted probability", "observed positive rate",
                  "reliability (evaluation split)")  # fmt: skip
+
+
+def plot_ne_comparison(
+    curves: dict[str, list[tuple[int, float]]], floor: float | None, path: Path, task: str = "ctr"
+) -> Path:
+    """One PNG of the test NE of ``task`` by step for several runs (e.g. precision recipes), with the
+    synthetic data's ground-truth NE floor drawn (``floor``: None draws none).
+
+    ``curves`` maps a run's label to its ``(step, NE)`` points.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts in curves.items():
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker="o", label=f"{label}: test {task} NE (last {pts[-1][1]:.4f})")
+    if floor is not None:
+        ax.axhline(
+            floor, color="black", linestyle="--", linewidth=1.0, label=f"ground-truth floor {floor:.4f}"
+        )
+        ax.axhline(floor * 1.03, color="gray", linestyle=":", linewidth=0.8, label="floor + 3%")
+    return _save(plt, fig, ax, path, "step", f"test {task} NE", f"test {task} NE by recipe")

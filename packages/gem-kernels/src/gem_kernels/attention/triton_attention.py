@@ -56,6 +56,10 @@ DEFAULT_VARIANT = os.environ.get("GEM_KERNELS_ATTENTION_VARIANT", "auto")
 if DEFAULT_VARIANT not in VARIANTS:
     raise ValueError(f"GEM_KERNELS_ATTENTION_VARIANT must be one of {VARIANTS}, got {DEFAULT_VARIANT!r}")
 
+# GEM_KERNELS_AUTOTUNE=0: no tuning, each kernel compiles only the first candidate of its shape class (a
+# shorter cold warm-up: one compilation per kernel and bucket instead of 3-4; the tiles may be slower).
+AUTOTUNE = os.environ.get("GEM_KERNELS_AUTOTUNE", "1") != "0"
+
 
 @contextlib.contextmanager
 def force_blocks(block_m: int, block_n: int) -> Iterator[None]:
@@ -136,6 +140,10 @@ def _pruner(kernel: str) -> Callable[..., list[Any]]:
             if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted
             and c.kwargs["BLOCK_N"] <= max(bkv, 16)
         ]
+        if not AUTOTUNE:  # the class's first listed candidate that fits
+            order = _CANDIDATES[kernel][shape_class(bq, bkv)]
+            kept = sorted(kept, key=lambda c: order.index(
+                (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)))[:1]  # fmt: skip
         return kept or configs[:1]
 
     return prune
@@ -159,7 +167,7 @@ _fast_act_ok = True  # cleared if the hardware-tanh activations fail to compile 
 def _onetile_tuned(fn: Any, stream_block: str, candidates: list[tuple[int, int, int]]) -> Any:
     """Autotuned over the streamed block only; the resident block is fixed by the caller (the bucket)."""
     configs = [triton.Config({stream_block: blk}, num_warps=w, num_stages=st) for blk, w, st in candidates]
-    return triton.autotune(configs, key=_KEY)(fn)
+    return triton.autotune(configs if AUTOTUNE else configs[:1], key=_KEY)(fn)
 
 
 _fwd_short_kv_tuned = _onetile_tuned(_fwd_short_kv_kernel, "BLOCK_M", [(128, 8, 3), (128, 4, 3), (64, 4, 3)])

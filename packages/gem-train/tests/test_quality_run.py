@@ -1,0 +1,72 @@
+"""benchmarks/quality_run.py: which logged windows count as steady, what an event costs, and (slow) the whole
+script on the CPU with two recipes: the per-recipe JSON, the merged JSON and the PNG."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quality_run.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("quality_run", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows(step_times: dict[int, float]) -> list[dict]:
+    return [
+        {"step": s, "split": "train", "step_time_s": t, "examples_per_s": 1 / t}
+        for s, t in step_times.items()
+    ]
+
+
+def test_steady_windows_skip_warmup_and_event_windows():
+    q = _module()
+    rows = _rows({10: 5.0, 20: 1.0, 30: 3.0, 40: 1.0, 50: 1.1, 60: 2.0})
+    # Warm-up 10 steps; an evaluation after step 20 (in window (20, 30]); a checkpoint after step 55 (in
+    # (50, 60]).
+    got = [r["step"] for r in q.steady_windows(rows, events=[20, 55], warmup=10)]
+    assert got == [20, 40, 50]
+    assert q.window_excess(rows, 20, 1.0) == pytest.approx(20.0)  # 10 steps of 3 s against 1 s
+    assert q.window_excess(rows, 55, 1.0) == pytest.approx(10.0)
+    assert q.window_excess(rows, 60, 1.0) is None  # after the last window (the final evaluation)
+
+
+def test_schedule_defaults():
+    q = _module()
+    assert q.schedule(2000, None, None, None, 50) == {
+        "eval_every": 500,
+        "checkpoint_every": 1050,
+        "warmup_steps": 100,
+    }
+    assert q.schedule(20, None, None, None, 2) == {"eval_every": 5, "checkpoint_every": 12, "warmup_steps": 5}
+    assert q.schedule(20, 7, 3, 1, 2) == {"eval_every": 7, "checkpoint_every": 3, "warmup_steps": 1}
+    assert "precision.recipe=none" in q.overrides_for(
+        "bf16", 20, q.schedule(20, None, None, None, 2), 2, Path("x")
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quality_run_tiny_cpu(tmp_path):
+    """Two recipes (one process each), 4 steps of tiny-cpu with one-batch evaluations: NE curves, the floor,
+    steady windows and event costs are in the JSON, and the PNG exists (194 s on the loaded 2-core box)."""
+    argv = "--config tiny-cpu --steps 4 --eval-every 2 --checkpoint-every 3 --log-every 1 --warmup-steps 1"
+    rc = _module().main([*argv.split(), "--set", "train.eval_batches=1", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "quality.json").read_text())
+    assert set(data["recipes"]) == {"bf16", "fp8_rowwise"}
+    for r in data["recipes"].values():
+        assert [s for s, _ in r["test_ne"]] == [2, 4] and r["floor"] is not None and 0 < r["floor"] < 1
+        assert r["gap_to_floor"] == pytest.approx(r["final_ne"] / r["floor"] - 1)
+        assert r["steady"]["windows"] >= 1 and r["steady"]["window_step_s_median"] > 0
+        assert [e["step"] for e in r["evaluations"]] == [2, 4]
+        assert r["evaluations"][0]["window_excess_s"] is not None
+        assert [c["step"] for c in r["checkpoints"]] == [3, 4] and r["first_step_s"] > 0
+    assert "fp8_rowwise_vs_bf16_ne_rel" in data and Path(data["png"]).stat().st_size > 1000
