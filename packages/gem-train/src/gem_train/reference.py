@@ -4,9 +4,9 @@ Rank ``r`` of ``W`` trains step ``k`` on global batch ``k * W + r`` (with ``para
 "base_batch_shuffling"``: on the ``k``-th batch of rank ``r``'s balanced stream, built here exactly as that
 rank builds it; with ``"global"``: on set ``r`` of the partition of the ``W`` batches' samples that
 ``GlobalBalancer`` computes) and the gradients are averaged over the ranks, so step ``k`` of a ``W``-rank
-run minimises the mean of the ``W`` batches' losses. One process does the same with gradient accumulation: each of the
-``W`` batches' loss, divided by ``W``, is backpropagated, then the gradients are clipped and the optimizers
-step once.
+run minimises the mean of the ``W`` batches' losses. One process does the same with gradient accumulation:
+each of the ``W`` batches' loss, divided by ``W``, is backpropagated, then the gradients are clipped and the
+optimizers step once.
 
 2D sharded tables (``parallel.strategy = "2d"`` or ``"fully_sharded_2d"`` with ``group_size = G``) are
 not the same algorithm: each of the ``R = W / G`` sharding groups (ranks ``c, c + R, ...``) updates its
@@ -131,10 +131,11 @@ def _replica_average_step(opt: torch.optim.Optimizer, grads: list[list[Tensor | 
     for replica in grads:
         for i, p in enumerate(params):
             p.copy_(start_w[i])
-            if start_s[i] is None:
+            saved = start_s[i]
+            if saved is None:
                 opt.state.pop(p, None)
             else:
-                opt.state[p] = {k: v.clone() for k, v in start_s[i].items()}
+                opt.state[p] = {k: v.clone() for k, v in saved.items()}
             p.grad = replica[i]
         opt.step()
         for i, p in enumerate(params):
