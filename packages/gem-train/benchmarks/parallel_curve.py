@@ -2,11 +2,13 @@
 process trained on the same global batches, and the peak memory of every rank.
 
     python packages/gem-train/benchmarks/parallel_curve.py --nproc 4 --steps 30 --out DIR \\
-        parallel.dp_replicate=2 parallel.dp_shard=2 parallel.ep=2
+        parallel.dp_replicate=2 parallel.dp_shard=2 parallel.ep=2 parallel.strategy=2d \\
+        parallel.group_size=2 parallel.balancer=base_batch_shuffling
 
 It runs ``torchrun --standalone --nproc_per_node=N -m gem_train.cli train --config tiny-cpu ...`` (one
-train row per step), then :func:`gem_train.reference.same_batches_losses` in this process, prints a table,
-writes ``DIR/parallel_curve.json`` and the plot ``DIR/loss_curve.png``.
+train row per step), then :func:`gem_train.reference.same_batches_losses` in this process (it follows
+the overrides: each rank's balanced stream, the global balancer's partition, 2D tables' replica averaging),
+prints a table, writes ``DIR/parallel_curve.json`` and the plot ``DIR/loss_curve.png``.
 """
 
 from __future__ import annotations

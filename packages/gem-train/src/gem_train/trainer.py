@@ -117,10 +117,9 @@ class Trainer:
             if self.dist.is_main:
                 truncate_metrics(self.run.metrics, self.start_step)
             if resharded and self.dist.is_main:
-                print(
-                    f"gem-train: {reshard_note(state, self.dist.world_size, self.data_offset)}",
-                    file=sys.stderr,
-                )
+                # With the balancer the plain stream restarts at its base (its carry was said above).
+                where = self.balancer.base if self.balancer.base is not None else self.data_offset
+                print(f"gem-train: {reshard_note(state, self.dist.world_size, where)}", file=sys.stderr)
         resumed_step = self.start_step if resume_from is not None else None
         self.selection = BestSelection(self.setup, self.run.checkpoints, resumed_step)
         # Dropout etc. differ per rank (the same seed would correlate them across ranks).
