@@ -2,11 +2,13 @@
 process trained on the same global batches, and the peak memory of every rank.
 
     python packages/gem-train/benchmarks/parallel_curve.py --nproc 4 --steps 30 --out DIR \\
-        parallel.dp_replicate=2 parallel.dp_shard=2 parallel.ep=2
+        parallel.dp_replicate=2 parallel.dp_shard=2 parallel.ep=2 parallel.strategy=2d \\
+        parallel.group_size=2 parallel.balancer=base_batch_shuffling
 
 It runs ``torchrun --standalone --nproc_per_node=N -m gem_train.cli train --config tiny-cpu ...`` (one
-train row per step), then :func:`gem_train.reference.same_batches_losses` in this process, prints a table,
-writes ``DIR/parallel_curve.json`` and the plot ``DIR/loss_curve.png``.
+train row per step), then :func:`gem_train.reference.same_batches_losses` in this process (it follows
+the overrides: each rank's balanced stream, the global balancer's partition, 2D tables' replica averaging),
+prints a table, writes ``DIR/parallel_curve.json`` and the plot ``DIR/loss_curve.png``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -72,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "parallel_curve.json").write_text(json.dumps(result, indent=2))
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[3, 1])
     steps = range(1, len(multi) + 1)
-    ax.plot(steps, single, "k-", lw=3, alpha=0.35, label="1 process, same global batches")
-    ax.plot(steps, multi, "o", ms=4, label=f"{a.nproc} processes: " + " ".join(a.overrides))
+    ax.plot(steps, single, "k-", lw=3, alpha=0.35, label="1 process, the same batches (gem_train.reference)")
+    layout = " ".join(o.removeprefix("parallel.") for o in a.overrides)
+    label = "\n".join(textwrap.wrap(f"{a.nproc} processes: {layout}", 70))
+    ax.plot(steps, multi, "o", ms=4, label=label)
     ax.set_ylabel("training loss (mean over the ranks' batches)")
     ax.legend(fontsize=8)
     bx.semilogy(steps, [max(d, 1e-12) for d in rel], ".-")

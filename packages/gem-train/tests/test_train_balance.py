@@ -12,8 +12,14 @@ import torch
 
 from gem_parallel.balance import get_cost_model
 from gem_train.checkpoint import read_trainer_state
-from gem_train.config import ConfigError, load_config
-from gem_train.data.balance import BalancedTrainStream, concat_batches, sample_lengths
+from gem_train.config import load_config
+from gem_train.data.balance import (
+    BalancedTrainStream,
+    balanced_stream,
+    concat_batches,
+    reshard_balancer,
+    sample_lengths,
+)
 from gem_train.data.loader import LoadedBatch
 from gem_train.data.synthetic import SyntheticAds
 from gem_train.trainer import Trainer
@@ -128,9 +134,69 @@ def test_training_with_the_balancer_resumes_bit_identically(tmp_path, small_conf
     assert first.losses + second.losses == full.losses
 
 
-def test_global_balancer_is_a_clear_error(tmp_path, small_config):
-    with pytest.raises(ConfigError, match="not wired"):
-        Trainer(small_config(tmp_path, "parallel.balancer=global"))
+class _TaggedSource:
+    """SyntheticAds whose training sample ``(b, j)`` carries the id ``b * BS + j`` in dense feature 0."""
+
+    def __init__(self) -> None:
+        self.inner = SyntheticAds(load_config("tiny-cpu").data.synthetic, seed=3)
+        self.spec = self.inner.spec
+
+    def get(self, split, index, batch_size):
+        lb = self.inner.get(split, index, batch_size)
+        lb.batch.dense[:, 0] = torch.arange(index * batch_size, (index + 1) * batch_size, dtype=torch.float32)
+        return lb
+
+    def num_batches(self, split, batch_size):
+        return self.inner.num_batches(split, batch_size)
+
+
+def _run_ranks(src, world, counts, base=0, carries=None):
+    """``world`` ranks' balanced streams, rank ``r`` emitting ``counts[r]`` batches: (ids, saved state)."""
+    carries = carries or [[] for _ in range(world)]
+    ids, states = [], []
+    for r in range(world):
+        s = balanced_stream(src, rank=r, world_size=world, batch_size=BS, seed=1, base=base, carry=carries[r])
+        it = iter(s)
+        for _ in range(counts[r]):
+            ids += next(it).batch.dense[:, 0].long().tolist()
+        states.append(s.state_after(counts[r] - 1) if counts[r] else None)
+    saved = {"base": base, "world_size": world, "batch_size": BS, "carry": carries, "ranks": states}
+    return ids, saved
+
+
+def test_balanced_stream_resharded_4_to_2_to_1_trains_every_sample_once():
+    """The pools of 4 ranks (one rank a batch ahead: an unread gap below the others' frontier) carried onto
+    2 ranks, then onto 1: no sample emitted twice, and every sample below the final plain-stream position is
+    emitted or still waiting in the final state."""
+    src = _TaggedSource()
+    ids4, saved4 = _run_ranks(src, 4, [3, 3, 4, 3])
+    base2, carry2 = reshard_balancer(saved4, 2)
+    # Rank 2 read 7 sub-batches (4 to fill its pool, then one per later batch), the others 6: the plain
+    # stream restarts at 4 * 7, and rank r's 7th, unread by ranks 0, 1 and 3, is carried whole.
+    assert base2 == 4 * 7
+    assert abs(len(carry2[0]) - len(carry2[1])) <= 1
+    ids2, saved2 = _run_ranks(src, 2, [5, 5], base2, carry2)
+    base1, carry1 = reshard_balancer(saved2, 1)
+    ids1, saved1 = _run_ranks(src, 1, [7], base1, carry1)
+    frontier, waiting = reshard_balancer(saved1, 1)
+    emitted = ids4 + ids2 + ids1
+    assert len(set(emitted)) == len(emitted), "a sample emitted twice"
+    rest = [b * BS + j for b, j in waiting[0]]
+    assert sorted(emitted + rest) == list(range(frontier * BS))
+    assert any(i < base2 * BS for i in ids2)  # the carried samples are trained on the new ranks
+
+
+def test_a_stream_with_a_carry_resumes_exactly():
+    src = _TaggedSource()
+    _, saved = _run_ranks(src, 2, [2, 2])
+    base, carry = reshard_balancer(saved, 1)
+    full, _ = _run_ranks(src, 1, [6], base, carry)
+    head, mid = _run_ranks(src, 1, [2], base, carry)
+    s = balanced_stream(src, rank=0, world_size=1, batch_size=BS, seed=1, base=base, carry=carry[0])
+    s.load_state_dict(mid["ranks"][0])
+    it = iter(s)
+    tail = [i for _ in range(4) for i in next(it).batch.dense[:, 0].long().tolist()]
+    assert head + tail == full
 
 
 @pytest.mark.slow  # 85 s on the 2 shared cores (two torchrun launches): past the fast suite's budget

@@ -59,11 +59,6 @@ class Layout:
 
 
 def _check_balancer(cfg: TrainConfig) -> None:
-    if cfg.parallel.balancer == "global":
-        raise ConfigError(
-            "parallel.balancer = 'global' is not wired into gem-train yet; use 'base_batch_shuffling' "
-            "(each rank balances its own batches) or 'none'"
-        )
     if cfg.parallel.balancer != "none" and not _available("gem_parallel.balance"):
         raise ConfigError(
             f"parallel.balancer = {cfg.parallel.balancer!r} needs gem_parallel.balance, which this "

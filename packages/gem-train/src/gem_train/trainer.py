@@ -33,8 +33,10 @@ from gem_train.checkpoint_keeper import (
     data_stream_state,
     reshard_note,
 )
-from gem_train.config import ConfigError, TrainConfig, config_to_dict, dumps_toml
+from gem_train.config import TrainConfig, config_to_dict, dumps_toml
 from gem_train.data.balance import BalancedTrainStream
+from gem_train.data.balance_state import BalancerPosition
+from gem_train.data.global_balance import GlobalBalancedStream
 from gem_train.data.loader import make_train_loader
 from gem_train.data.split import HeldOutSplit
 from gem_train.distributed import all_gather_object, peak_memory_gib
@@ -102,10 +104,7 @@ class Trainer:
         self.skipped = 0
         # The data stream's position: global batches consumed before start_step (by any number of ranks).
         self.data_offset = 0
-        # parallel.balancer = "base_batch_shuffling": where the balanced stream began (global batches) and
-        # this rank's shuffler state after the last consumed batch (None: nothing read yet).
-        self.balancer_base: int | None = None
-        self.balancer_state: dict[str, Any] | None = None
+        self.balancer = BalancerPosition()  # parallel.balancer = "base_batch_shuffling"
         resharded = False
         if resume_from is not None:
             sparse = self.setup.layout.sparse
@@ -120,10 +119,9 @@ class Trainer:
             if self.dist.is_main:
                 truncate_metrics(self.run.metrics, self.start_step)
             if resharded and self.dist.is_main:
-                print(
-                    f"gem-train: {reshard_note(state, self.dist.world_size, self.data_offset)}",
-                    file=sys.stderr,
-                )
+                # With the balancer the plain stream restarts at its base (its carry was said above).
+                where = self.balancer.base if self.balancer.base is not None else self.data_offset
+                print(f"gem-train: {reshard_note(state, self.dist.world_size, where)}", file=sys.stderr)
         resumed_step = self.start_step if resume_from is not None else None
         self.selection = BestSelection(self.setup, self.run.checkpoints, resumed_step)
         # Dropout etc. differ per rank (the same seed would correlate them across ranks).
@@ -161,21 +159,17 @@ class Trainer:
         saved = state.get("balancer")
         if self.cfg.parallel.balancer != "base_batch_shuffling" or not saved:
             return  # a checkpoint without a balancer state starts a fresh balanced stream at its position
-        if saved["world_size"] != self.dist.world_size:
-            raise ConfigError(
-                f"parallel.balancer: the checkpoint's balanced stream was read by {saved['world_size']} "
-                f"ranks, this run has {self.dist.world_size}; resume on {saved['world_size']} ranks (or "
-                "with parallel.balancer = 'none')"
-            )
-        self.balancer_base = int(saved["base"])
-        self.balancer_state = saved["ranks"][self.dist.rank]
+        d = self.dist
+        note = self.balancer.resume(saved, d.rank, d.world_size, self.cfg.data.batch_size)
+        if note and d.is_main:
+            print(f"gem-train: {note}", file=sys.stderr)
 
     def _balancer_extra(self) -> dict[str, Any]:
         if self.cfg.parallel.balancer != "base_batch_shuffling":
             return {}
-        ranks = all_gather_object(self.balancer_state, self.dist.world_size)  # every rank calls _extra
-        base = self.balancer_base if self.balancer_base is not None else self.data_offset
-        return {"balancer": {"base": base, "world_size": self.dist.world_size, "ranks": ranks}}
+        ranks = all_gather_object(self.balancer.state, self.dist.world_size)  # every rank calls _extra
+        saved = self.balancer.saved(ranks, self.dist.world_size, self.cfg.data.batch_size, self.data_offset)
+        return {"balancer": saved}
 
     def global_batches(self, step: int) -> int:
         """Global batches of the training stream consumed after ``step`` steps."""
@@ -321,7 +315,7 @@ class Trainer:
             while status == "completed" and step < total:
                 (lb, flops), batch = next(it)  # lb.batch on the host, batch on the device
                 if isinstance(loader, BalancedTrainStream):  # its state as of this batch, for checkpoints
-                    self.balancer_state = loader.state_after(lb.index)
+                    self.balancer.state = loader.state_after(lb.index)
                 window.flops += flops
                 out = r.train_step(batch, step)
                 step += 1
@@ -357,24 +351,18 @@ class Trainer:
         """This rank's training batches from ``step`` on: the loader, or its balanced batches."""
         cfg, d = self.cfg, self.dist
         pin = self.device.type == "cuda"
-
-        def loader(position: int, pin_memory: bool = pin) -> Any:
-            return make_train_loader(
-                self.setup.source, cfg.data.batch_size, position=position, rank=d.rank,
-                world_size=d.world_size, num_workers=cfg.data.num_workers, pin_memory=pin_memory,
-            )  # fmt: skip
-
         if cfg.parallel.balancer != "base_batch_shuffling":
-            return loader(self.global_batches(step))
-        if self.balancer_base is None:
-            self.balancer_base = self.global_batches(step)
-        stream = BalancedTrainStream(
-            lambda position: loader(position, False), base=self.balancer_base, world_size=d.world_size,
-            batch_size=cfg.data.batch_size, seed=cfg.run.seed + 7_919 * d.rank, pin=pin,
+            global_ = cfg.parallel.balancer == "global" and d.world_size > 1
+            loader = make_train_loader(
+                self.setup.source, cfg.data.batch_size, position=self.global_batches(step), rank=d.rank,
+                world_size=d.world_size, num_workers=cfg.data.num_workers, pin_memory=pin and not global_,
+            )  # fmt: skip
+            # "global": the same stream, each step's samples rebalanced across the ranks (no state).
+            return GlobalBalancedStream(loader, pin=pin) if global_ else loader
+        return self.balancer.stream(
+            self.setup.source, rank=d.rank, world=d.world_size, batch_size=cfg.data.batch_size,
+            seed=cfg.run.seed, base=self.global_batches(step), num_workers=cfg.data.num_workers, pin=pin,
         )  # fmt: skip
-        if self.balancer_state is not None:
-            stream.load_state_dict(self.balancer_state)
-        return stream
 
     def _handle_non_finite(self, step: int, what: str) -> None:
         if self.cfg.train.nan_policy == "skip":

@@ -33,7 +33,8 @@ class ParallelSection:
     activation_checkpointing: Literal["none", "full", "selective", "budget"] = "none"
     memory_budget: float = 0.5  # "budget": the share of activation memory kept, in (0, 1]
     saved_activations: Literal["bf16", "fp8", "mxfp8"] = "bf16"  # storage of saved activations
-    # Jagged-batch load balancing: "base_batch_shuffling" (gem_parallel.balance's shuffler) or "global".
+    # Jagged-batch load balancing: "base_batch_shuffling" (each rank's own batches, gem_train.data.balance)
+    # or "global" (every step's samples repartitioned across the ranks, gem_train.data.global_balance).
     balancer: Literal["none", "base_batch_shuffling", "global"] = "none"
     # Collective timeout (s) of the process group: a rank that died or hangs makes every other rank fail
     # with an error after at most this long, never a silent hang.

@@ -7,11 +7,20 @@ The rank's ordinary training stream (batches of ``data.batch_size``) is read as 
 (``get_cost_model("mix")`` of the sum of its behaviour-sequence lengths). Every sample of the stream is
 trained on exactly once. The shuffler's state is in every checkpoint (``trainer_state["balancer"]``), with
 ``base``: the global batch at which the balanced stream began, so a resume re-reads the same stream.
+
+A rank's sub-batches are its *carry* first (samples named by ``(global batch, row)``, in chunks of
+``data.batch_size``), then the plain stream: rank ``r``'s ``k``-th plain sub-batch is global batch
+``base + k * world_size + r``. A fresh run has no carry. On a resume with another world size,
+:func:`reshard_balancer` turns the checkpointed ranks' pools (and any global batch below the furthest rank's
+read position that some rank had not read) into the new ranks' carry and restarts the plain stream at the
+first global batch no rank had read: every sample is trained exactly once across the resume. What is not
+carried: each shuffler's running mean cost and its per-rank seed, so the batches are composed differently
+from a run that kept its world size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +31,16 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from gem_model import GemBatch, JaggedSequence
 from gem_train.data.loader import LoadedBatch
 
-__all__ = ["POOL_BATCHES", "BalancedTrainStream", "concat_batches", "sample_lengths"]
+__all__ = [
+    "POOL_BATCHES",
+    "BalancedTrainStream",
+    "balanced_stream",
+    "concat_batches",
+    "reshard_balancer",
+    "sample_lengths",
+]
+
+Sample = tuple[int, int]  # (global batch index, row in it)
 
 POOL_BATCHES = 4  # pool of the shuffler, in training batches (gem_parallel.balance's default)
 
@@ -88,24 +106,33 @@ class BalancedTrainStream:
     """This rank's balanced training batches (``LoadedBatch``; ``index``: the emitted batch's ordinal).
 
     Args:
-        open_stream: ``open_stream(base)`` -> this rank's ordinary training stream from global batch
-            ``base`` on (``make_train_loader(position=base)``).
-        base: the global batch at which the balanced stream begins.
-        world_size: ranks reading the stream (rank ``r``'s sub-batch ``k`` is global batch
+        open_stream: ``open_stream(position)`` -> this rank's ordinary training stream from global batch
+            ``position`` on (``make_train_loader(position=position)``).
+        base: the global batch at which the plain part of the balanced stream begins.
+        world_size: ranks reading the stream (rank ``r``'s plain sub-batch ``k`` is global batch
             ``base + k * world_size + r``).
-        batch_size, seed: ``data.batch_size`` and the run's seed (per rank: the caller adds the rank).
+        batch_size, seed: ``data.batch_size`` and the shuffler's seed (per rank: see :func:`balanced_stream`).
         pin: pin the emitted batches (they are new tensors, no longer the loader's pinned ones).
+        carry: ``(global batch, row)`` samples read before the plain stream, ``batch_size`` per sub-batch.
+        fetch: ``fetch(global_batch)`` -> that training batch (needed with a ``carry``).
     """
 
     def __init__(
         self, open_stream: Callable[[int], Any], *, base: int, world_size: int, batch_size: int, seed: int,
-        pin: bool = False,
+        pin: bool = False, carry: Sequence[Sample] = (), fetch: Callable[[int], LoadedBatch] | None = None,
     ) -> None:  # fmt: skip
         from gem_parallel.balance import BaseBatchShuffler
 
+        if carry and fetch is None:
+            raise ValueError("BalancedTrainStream: a carry needs fetch")
         self.base, self.world_size, self.pin = base, world_size, pin
+        self.batch_size = batch_size
+        self.carry = [(int(b), int(r)) for b, r in carry]
+        self.n_carry = -(-len(self.carry) // batch_size)  # carry sub-batches
+        self._fetch = fetch
+        self._open = open_stream
         self.shuffler: BaseBatchShuffler[LoadedBatch, LoadedBatch] = BaseBatchShuffler(
-            lambda start: open_stream(base + start * world_size),
+            self._sub_batches,
             cost="mix",
             lengths=lambda lb: sample_lengths(lb.batch),
             collate=collate,
@@ -117,8 +144,26 @@ class BalancedTrainStream:
         self._states: dict[int, dict[str, Any]] = {}
         self._emitted = 0
 
+    def _carry_batch(self, ordinal: int) -> LoadedBatch:
+        """Carry sub-batch ``ordinal``: its samples, fetched from their global batches, in carry order."""
+        assert self._fetch is not None
+        rows = self.carry[ordinal * self.batch_size : (ordinal + 1) * self.batch_size]
+        where: dict[int, int] = {}
+        subs: list[LoadedBatch] = []
+        for b, _ in rows:
+            if b not in where:
+                where[b] = len(subs)
+                subs.append(self._fetch(b))
+        return collate(subs, [(where[b], r) for b, r in rows])
+
+    def _sub_batches(self, start: int) -> Iterator[LoadedBatch]:
+        """The shuffler's source: sub-batches from ordinal ``start`` on (carry, then the plain stream)."""
+        for o in range(start, self.n_carry):
+            yield self._carry_batch(o)
+        yield from self._open(self.base + max(0, start - self.n_carry) * self.world_size)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continues the stream of a checkpoint's :meth:`state_after` (same ``base`` and world size)."""
+        """Continues the stream of a checkpoint's :meth:`state_after` (same ``base``, world size, carry)."""
         self.shuffler.load_state_dict(state)
         self._emitted = int(state["emitted"])
 
@@ -135,3 +180,62 @@ class BalancedTrainStream:
             self._states[self._emitted] = self.shuffler.state_dict()
             self._emitted += 1
             yield lb.pin_memory() if self.pin else lb
+
+
+def balanced_stream(
+    source: Any, *, rank: int, world_size: int, batch_size: int, seed: int, base: int = 0,
+    carry: Sequence[Sample] = (), num_workers: int = 0, pin: bool = False,
+) -> BalancedTrainStream:  # fmt: skip
+    """Rank ``rank``'s balanced stream of ``source`` (a ``BatchSource``): the trainer's and the one-process
+    reference's (:mod:`gem_train.reference`). ``seed``: the run's; each rank's shuffler gets its own."""
+    from gem_train.data.loader import make_train_loader
+
+    def open_stream(position: int) -> Any:
+        return make_train_loader(
+            source, batch_size, position=position, rank=rank, world_size=world_size,
+            num_workers=num_workers,
+        )  # fmt: skip
+
+    return BalancedTrainStream(
+        open_stream, base=base, world_size=world_size, batch_size=batch_size, seed=seed + 7_919 * rank,
+        pin=pin, carry=carry, fetch=lambda b: source.get("train", b, batch_size),
+    )  # fmt: skip
+
+
+def reshard_balancer(saved: dict[str, Any], world_size: int) -> tuple[int, list[list[Sample]]]:
+    """The balanced stream of a checkpoint (``trainer_state["balancer"]``) laid out for ``world_size``
+    ranks: ``(base, carry of each new rank)``.
+
+    The carry is every sample the checkpointed ranks had read but not trained (their shufflers' pools and
+    planned batches, as of the last trained step), plus every sample of a global batch below the new
+    ``base`` that some rank had not read yet; sorted by ``(global batch, row)`` and dealt out in contiguous,
+    near-equal parts. The new ``base`` is the first global batch of the plain stream no rank had read.
+    """
+    old_world, base = int(saved["world_size"]), int(saved["base"])
+    bs = int(saved["batch_size"])
+    carries = saved.get("carry") or [[] for _ in range(old_world)]
+    left: list[Sample] = []
+    plain_read = []
+    for r, state in enumerate(saved["ranks"]):
+        carry = [(int(b), int(i)) for b, i in carries[r]]
+        n_carry = -(-len(carry) // bs)
+
+        def ident(o: int, i: int, r: int = r, carry: list[Sample] = carry, n_carry: int = n_carry) -> Sample:
+            return carry[o * bs + i] if o < n_carry else (base + (o - n_carry) * old_world + r, i)
+
+        read = 0 if state is None else int(state["next_ordinal"])
+        if state is not None:
+            pool = zip(state["pool"]["ordinal"], state["pool"]["index"], strict=True)
+            left += [ident(int(o), int(i)) for o, i in pool]
+            left += [ident(int(o), int(i)) for b in state["pending"] for o, i in b]
+        left += carry[read * bs :]  # carry sub-batches not read yet
+        plain_read.append(max(0, read - n_carry))
+    furthest = max(plain_read)
+    for r, k0 in enumerate(plain_read):  # plain batches below the furthest read position, unread by r
+        left += [(base + k * old_world + r, j) for k in range(k0, furthest) for j in range(bs)]
+    left.sort()
+    if len(set(left)) != len(left):
+        raise ValueError("the checkpoint's balancer state names a sample twice (a corrupt state)")
+    n = len(left)
+    parts = [left[q * n // world_size : (q + 1) * n // world_size] for q in range(world_size)]
+    return base + furthest * old_world, parts

@@ -1,0 +1,75 @@
+"""Where a run's balanced training stream is (``parallel.balancer = "base_batch_shuffling"``), what its
+checkpoints store (``trainer_state["balancer"]``) and how a resume continues it, on any world size.
+
+Saved: ``base`` (first global batch of the plain stream), ``world_size``, ``batch_size``, ``carry`` (per
+rank: the ``(global batch, row)`` samples read before the plain stream) and ``ranks`` (every rank's shuffler
+state after the last trained step). Same world size: each rank reloads its state, bit-identical. Another
+world size: :func:`gem_train.data.balance.reshard_balancer` lays the unread samples out for the new ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gem_train.config import ConfigError
+from gem_train.data.balance import BalancedTrainStream, Sample, balanced_stream, reshard_balancer
+
+__all__ = ["BalancerPosition"]
+
+
+@dataclass
+class BalancerPosition:
+    """This rank's view of the balanced stream: ``base`` (None: not begun), every rank's ``carry`` and
+    this rank's shuffler ``state`` after the last trained batch (None: nothing trained yet)."""
+
+    base: int | None = None
+    carry: list[list[Sample]] | None = None
+    state: dict[str, Any] | None = None
+
+    def resume(self, saved: dict[str, Any], rank: int, world: int, batch_size: int) -> str | None:
+        """Continue a checkpoint's stream; returns what to tell the user when the world size changed."""
+        old = int(saved["world_size"])
+        if old == world:
+            self.base = int(saved["base"])
+            self.carry = [[(int(b), int(r)) for b, r in c] for c in saved.get("carry") or [[]] * world]
+            self.state = saved["ranks"][rank]
+            return None
+        if int(saved.get("batch_size", -1)) != batch_size:
+            raise ConfigError(
+                f"parallel.balancer: the checkpoint's balanced stream of {old} ranks has data.batch_size = "
+                f"{saved.get('batch_size', 'unknown (an older gem-train)')}, this run {batch_size}; resume "
+                f"with its batch size on another world size, or on {old} ranks"
+            )
+        self.base, self.carry = reshard_balancer(saved, world)
+        self.state = None
+        n = sum(len(c) for c in self.carry)
+        return (
+            f"the balanced stream of {old} ranks continues on {world}: the {n} samples read but not trained "
+            f"are read first, then the stream from global batch {self.base}; every sample is trained once, "
+            "but the shufflers restart (running mean cost, per-rank seeds), so batches are composed "
+            "differently from a run that kept its world size"
+        )
+
+    def saved(self, ranks: list[dict[str, Any] | None], world: int, batch_size: int, base: int) -> dict:
+        """The checkpoint entry; ``ranks``: every rank's state; ``base``: the position if not begun."""
+        carry = self.carry or [[] for _ in range(world)]
+        return {
+            "base": self.base if self.base is not None else base, "world_size": world,
+            "batch_size": batch_size, "carry": [[list(x) for x in c] for c in carry], "ranks": ranks,
+        }  # fmt: skip
+
+    def stream(
+        self, source: Any, *, rank: int, world: int, batch_size: int, seed: int, base: int,
+        num_workers: int, pin: bool,
+    ) -> BalancedTrainStream:  # fmt: skip
+        """This rank's balanced stream from where it is (``base``: the position if not begun)."""
+        if self.base is None:
+            self.base = base
+        stream = balanced_stream(
+            source, rank=rank, world_size=world, batch_size=batch_size, seed=seed, base=self.base,
+            carry=self.carry[rank] if self.carry else (), num_workers=num_workers, pin=pin,
+        )  # fmt: skip
+        if self.state is not None:
+            stream.load_state_dict(self.state)
+        return stream
