@@ -41,9 +41,12 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+# torch and triton are imported where needed: the cache itself is standard library only (tests run
+# concurrent writers as bare processes).
 
 ENV = "GEM_KERNELS_CACHE"
 SCHEMA = 1
@@ -65,7 +68,11 @@ def cache_dir() -> Path | None:
 
 def device_tag(device: torch.device | None = None) -> str:
     """``"<name> sm_<cc> <SMs>SM"`` of a CUDA device; ``"interpreter"`` under ``TRITON_INTERPRET=1``."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "interpreter"
+    import torch
+
+    if not torch.cuda.is_available():
         return "interpreter"
     p = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
     return f"{p.name} sm_{p.major}{p.minor} {p.multi_processor_count}SM"
@@ -213,7 +220,7 @@ class PersistentTuning:
         if self._identity is None:
             self._identity = kernel_identity([self.kernel], self.labels)
         every = {**named_args, **kwargs}
-        device = next((a.device for a in every.values() if isinstance(a, torch.Tensor)), None)
+        device = next((a.device for a in every.values() if hasattr(a, "device") and hasattr(a, "dtype")), None)
         bucket = [every.get(n) for n in self.key_names]
         bucket += [str(a.dtype) for a in every.values() if hasattr(a, "dtype")]
         return ["autotune", self.name, self._identity, device_tag(device), triton_version(), bucket]
