@@ -29,7 +29,11 @@ import sys
 import tempfile
 import time
 
-CASES = [f"{op}-{dt}" for op in ("softmax_causal", "silu_causal", "silu_cross", "block64") for dt in ("bf16", "fp32")]
+CASES = [
+    f"{op}-{dt}"
+    for op in ("softmax_causal", "silu_causal", "silu_cross", "block64")
+    for dt in ("bf16", "fp32")
+]
 
 
 def _child(case: str, small: bool) -> dict:
@@ -88,7 +92,9 @@ def _child(case: str, small: bool) -> dict:
         step()
         sync()
         second = time.perf_counter() - t0
-    tuners = {n: getattr(ta, n) for n in dir(ta) if n.endswith("_tuned") and hasattr(getattr(ta, n), "persistent")}
+    tuners = {
+        n: getattr(ta, n) for n in dir(ta) if n.endswith("_tuned") and hasattr(getattr(ta, n), "persistent")
+    }
     return {
         "case": case,
         "first_s": first,
@@ -128,9 +134,12 @@ def main() -> None:
             warm = _run_case(case, env, a.small, a.timeout)
             rows.append({"case": case, "empty_cache": cold, "filled_cache": warm})
             c, w = cold.get("first_s", float("nan")), warm.get("first_s", float("nan"))
-            print(f"{case:22s} first call, empty cache {c:8.2f} s (target <= 10)   "
-                  f"filled cache {w:7.3f} s (target <= 0.5)   timed {cold.get('timed', cold.get('error'))} "
-                  f"then {warm.get('timed', warm.get('error'))}   variants {cold.get('variants')}", flush=True)
+            print(
+                f"{case:22s} first call, empty cache {c:8.2f} s (target <= 10)   "
+                f"filled cache {w:7.3f} s (target <= 0.5)   timed {cold.get('timed', cold.get('error'))} "
+                f"then {warm.get('timed', warm.get('error'))}   variants {cold.get('variants')}",
+                flush=True,
+            )
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"rows": rows, "args": vars(a)}, f, indent=1)

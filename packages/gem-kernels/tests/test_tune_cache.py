@@ -39,7 +39,7 @@ class FakeKernel:
     """Enough of a JITFunction for ``triton.autotune``: ``fn``, ``arg_names``, ``run``; records BLOCKs."""
 
     def __init__(self, source: str = "v1") -> None:
-        def kernel(x: Any, n: int, BLOCK: int) -> None: ...  # noqa: N803 (a Triton constexpr name)
+        def kernel(x: Any, n: int, BLOCK: int) -> None: ...
 
         self.fn = kernel
         self.arg_names = ["x", "n"]
@@ -171,7 +171,9 @@ def test_key_changes_with_device_triton_source_and_bucket(monkeypatch: pytest.Mo
     monkeypatch.undo()
     monkeypatch.setattr(tune_cache, "device_tag", lambda device=None: "NVIDIA H100 sm_90 132SM")
     assert base != tuning.key({"x": FakeArray(), "n": 100}, {})
-    assert tune_cache.kernel_identity([tuning.kernel], ["a"]) != tune_cache.kernel_identity([tuning.kernel], ["b"])
+    assert tune_cache.kernel_identity([tuning.kernel], ["a"]) != tune_cache.kernel_identity(
+        [tuning.kernel], ["b"]
+    )
 
 
 def test_choose_stores_the_fastest_and_a_new_call_reads_it(cache: Path) -> None:
@@ -209,7 +211,8 @@ def test_concurrent_writers_leave_a_valid_file(cache: Path) -> None:
     left behind."""
     labels = [f"w{i}" for i in range(4)]
     procs = [
-        subprocess.Popen([sys.executable, "-c", WRITER, tune_cache.__file__, label, "300"]) for label in labels
+        subprocess.Popen([sys.executable, "-c", WRITER, tune_cache.__file__, label, "300"])
+        for label in labels
     ]
     path = tune_cache._path(cache, ["race", 1])
     seen: set[str] = set()
@@ -263,3 +266,44 @@ def test_attention_autotuners_share_a_cache_across_interpreter_processes(tmp_pat
     # Same kernels, same inputs: the same outputs; fp16 against fp64 within a few fp16 ulps.
     assert first["err"] == second["err"] and first["err"] < 2e-3
     assert first["cross_err"] == second["cross_err"] and first["cross_err"] < 1e-5
+
+
+H200_SMEM = 232448  # shared_memory_per_block_optin of the H200 (227 KiB)
+
+
+@needs_triton
+@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
+def test_attention_candidates_by_shape_and_dtype_class(kernel: str) -> None:
+    """bf16: at most two candidates per bucket; fp32: one; all fit shared memory and are autotuner
+    configs; key tiles no longer than the keys' bucket where one fits."""
+    import torch
+
+    from gem_kernels.attention import triton_attention as ta
+
+    configs = {
+        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in ta._configs(kernel)
+    }
+    for bq, bkv in ((4096, 4096), (2048, 16), (2048, 64), (32, 4096), (16, 2048)):
+        for dtype, most in ((torch.bfloat16, 2), (torch.float32, 1)):
+            for d in (16, 64, 128, 256):
+                cands = ta.candidates_for(kernel, bq, bkv, dtype, d, d, H200_SMEM)
+                assert 1 <= len(cands) <= most and set(cands) <= configs
+                elsize = dtype.itemsize
+                assert all(
+                    ta.smem_bytes(kernel, c[0], c[1], c[3], d, d, elsize) <= H200_SMEM for c in cands
+                ) or (
+                    len(cands) == 1 and d == 256  # nothing fits: the smallest is kept (Triton will say)
+                )
+                if bkv <= 64 and d <= 128:
+                    assert all(c[1] <= bkv for c in cands)
+    # fp32 D=128: the bf16 general list's 128x64, 3-stage tiles would not fit; the fp32 tile does.
+    assert ta.smem_bytes("fwd", 128, 128, 3, 128, 128, 4) > H200_SMEM
+    (fp32,) = ta.candidates_for(kernel, 4096, 4096, torch.float32, 128, 128, H200_SMEM)
+    assert fp32[0] * fp32[1] <= 64 * 64 and fp32[3] == 2
+    # A tight limit prunes the big tiles first.
+    big = ta.candidates_for(kernel, 4096, 4096, torch.bfloat16, 128, 128, None)
+    tight = ta.candidates_for(kernel, 4096, 4096, torch.bfloat16, 128, 128, 150_000)
+    assert len(tight) >= 1 and all(
+        ta.smem_bytes(kernel, c[0], c[1], c[3], 128, 128, 2) <= 150_000 for c in tight
+    )
+    assert len(big) == 2 and len(tight) == 1

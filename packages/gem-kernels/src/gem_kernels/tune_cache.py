@@ -163,7 +163,7 @@ def store(key: Sequence[Any], choice: str, timings: dict[str, float] | None = No
 
 
 def config_label(config: Any) -> str:
-    """A stable label of a ``triton.Config``: its kwargs, warps and stages, e.g. ``BLOCK_M=64,BLOCK_N=32,w4,s3``."""
+    """A stable label of a ``triton.Config``: kwargs, warps, stages (``BLOCK_M=64,BLOCK_N=32,w4,s3``)."""
     kw = ",".join(f"{n}={v}" for n, v in sorted(config.kwargs.items()))
     return f"{kw},w{config.num_warps},s{config.num_stages}"
 
@@ -220,7 +220,9 @@ class PersistentTuning:
         if self._identity is None:
             self._identity = kernel_identity([self.kernel], self.labels)
         every = {**named_args, **kwargs}
-        device = next((a.device for a in every.values() if hasattr(a, "device") and hasattr(a, "dtype")), None)
+        device = next(
+            (a.device for a in every.values() if hasattr(a, "device") and hasattr(a, "dtype")), None
+        )
         bucket = [every.get(n) for n in self.key_names]
         bucket += [str(a.dtype) for a in every.values() if hasattr(a, "dtype")]
         return ["autotune", self.name, self._identity, device_tag(device), triton_version(), bucket]

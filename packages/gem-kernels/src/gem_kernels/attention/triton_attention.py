@@ -158,7 +158,8 @@ def shape_class(bucket_q: int, bucket_kv: int) -> str:
 
 
 def _configs(kernel: str) -> list[triton.Config]:
-    seen = {c for table in (_CANDIDATES, _CANDIDATES_FP32) for cands in table[kernel].values() for c in cands}
+    tables = (_CANDIDATES[kernel], _CANDIDATES_FP32[kernel])
+    seen = {c for table in tables for cands in table.values() for c in cands}
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
         for bm, bn, w, st in sorted(seen)
@@ -178,7 +179,8 @@ def smem_bytes(kernel: str, bm: int, bn: int, stages: int, block_d: int, block_d
 def _smem_limit(t: torch.Tensor) -> int | None:
     if t.device.type != "cuda":
         return None  # the interpreter has no shared memory to run out of
-    return int(getattr(torch.cuda.get_device_properties(t.device), "shared_memory_per_block_optin", 0)) or None
+    props = torch.cuda.get_device_properties(t.device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0)) or None
 
 
 def candidates_for(
@@ -231,8 +233,10 @@ def _onetile_tuned(name: str, fn: Any, stream_block: str, candidates: list[tuple
 
 
 # Two candidates each (one compilation per candidate on a first call).
-_fwd_short_kv_tuned = _onetile_tuned("fwd_short_kv", _fwd_short_kv_kernel, "BLOCK_M", [(128, 8, 3), (128, 4, 3)])
-_bwd_short_kv_tuned = _onetile_tuned("bwd_short_kv", _bwd_short_kv_kernel, "BLOCK_M", [(64, 4, 3), (128, 8, 3)])
+_fwd_short_kv_tuned = _onetile_tuned("fwd_short_kv", _fwd_short_kv_kernel, "BLOCK_M",
+                                     [(128, 8, 3), (128, 4, 3)])
+_bwd_short_kv_tuned = _onetile_tuned("bwd_short_kv", _bwd_short_kv_kernel, "BLOCK_M",
+                                     [(64, 4, 3), (128, 8, 3)])
 _bwd_few_q_tuned = _onetile_tuned("bwd_few_q", _bwd_few_q_kernel, "BLOCK_N", [(64, 4, 3), (128, 8, 3)])
 # (family, buckets, constexprs, dtype) -> "tiled" or "onetile", decided by timing on the first call.
 variant_choice: dict[tuple[Any, ...], str] = {}
