@@ -14,6 +14,9 @@ fp32 (exact fp32 products), forward + backward.
 
 On the H200 (the coordinator):
     uv run --no-sync python packages/gem-kernels/benchmarks/bench_first_call.py
+and, for the floor of one candidate per kernel (compile the H200's pick only, time nothing):
+    uv run --no-sync python packages/gem-kernels/benchmarks/bench_first_call.py --candidates 1 \
+        --out first_call_1.json
 CPU smoke test of the script itself (interpreter, tiny shapes; the numbers mean nothing):
     TRITON_INTERPRET=1 uv run --no-sync python packages/gem-kernels/benchmarks/bench_first_call.py --small \
         --cases softmax_causal-fp32
@@ -118,6 +121,9 @@ def main() -> None:
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {CASES}")
     p.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke test)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per process")
+    p.add_argument(
+        "--candidates", type=int, help="GEM_KERNELS_TUNE_CANDIDATES (default 2: the H200 pick + 1)"
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "first_call.json"))
     a = p.parse_args()
@@ -130,6 +136,8 @@ def main() -> None:
             # Per case its own empty folders, so no case profits from another's compilations.
             env = dict(os.environ, GEM_KERNELS_CACHE=os.path.join(tmp, case, "gem"),
                        TRITON_CACHE_DIR=os.path.join(tmp, case, "triton"))  # fmt: skip
+            if a.candidates:
+                env["GEM_KERNELS_TUNE_CANDIDATES"] = str(a.candidates)
             cold = _run_case(case, env, a.small, a.timeout)
             warm = _run_case(case, env, a.small, a.timeout)
             rows.append({"case": case, "empty_cache": cold, "filled_cache": warm})

@@ -307,3 +307,15 @@ def test_attention_candidates_by_shape_and_dtype_class(kernel: str) -> None:
         ta.smem_bytes(kernel, c[0], c[1], c[3], 128, 128, 2) <= 150_000 for c in tight
     )
     assert len(big) == 2 and len(tight) == 1
+
+
+@needs_triton
+def test_tune_candidates_one_compiles_the_first_pick_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from gem_kernels.attention import triton_attention as ta
+
+    monkeypatch.setattr(ta, "TUNE_CANDIDATES", 1)
+    for kernel in ("fwd", "dq", "dkdv"):
+        (only,) = ta.candidates_for(kernel, 4096, 4096, torch.bfloat16, 128, 128, H200_SMEM)
+        assert only == ta._CANDIDATES[kernel]["general"][0]

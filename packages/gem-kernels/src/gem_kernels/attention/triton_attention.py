@@ -49,6 +49,11 @@ UNBOUNDED = 1 << 30
 SHORT_KV = 64  # cross-attention with at most this many keys per sequence
 FEW_Q = 32  # PMA-style pooling with at most this many queries per sequence
 
+# At most this many candidates per kernel are compiled and timed for a new bucket (the first listed, the
+# H200's pick, first): 1 times nothing. Each costs a compilation (~2 s on the H200's host) on a first call.
+TUNE_CANDIDATES = int(os.environ.get("GEM_KERNELS_TUNE_CANDIDATES", "2"))
+if TUNE_CANDIDATES < 1:
+    raise ValueError(f"GEM_KERNELS_TUNE_CANDIDATES must be >= 1, got {TUNE_CANDIDATES}")
 _forced: tuple[int, int] | None = None
 _tune_interpreted = False  # tests: autotune (and choose variants) under the interpreter too
 _forced_variant: str | None = None
@@ -189,7 +194,7 @@ def candidates_for(
 ) -> list[tuple[int, int, int, int]]:
     """The (BLOCK_M, BLOCK_N, warps, stages) worth compiling for a bucket: those of its shape class and
     dtype class, with key tiles no longer than the keys' bucket and tiles that fit shared memory (pruned
-    here rather than compiled and found too big). Never empty; one only for fp32."""
+    here rather than compiled and found too big). Never empty; at most ``TUNE_CANDIDATES``, one for fp32."""
     fp32 = dtype == torch.float32
     cands = (_CANDIDATES_FP32 if fp32 else _CANDIDATES)[kernel][shape_class(bucket_q, bucket_kv)]
     elsize = 4 if fp32 else 2
@@ -197,7 +202,7 @@ def candidates_for(
             or smem_bytes(kernel, c[0], c[1], c[3], block_d, block_dv, elsize) <= smem_limit]
     kept = [c for c in fits if c[1] <= max(bucket_kv, 16)]
     kept = kept or fits[-1:] or [min(cands, key=lambda c: c[0] * c[1])]
-    return kept[:1] if fp32 else kept
+    return kept[:1] if fp32 else kept[:TUNE_CANDIDATES]
 
 
 def _pruner(kernel: str) -> Callable[..., list[Any]]:
@@ -229,7 +234,8 @@ _fast_act_ok = True  # cleared if the hardware-tanh activations fail to compile 
 def _onetile_tuned(name: str, fn: Any, stream_block: str, candidates: list[tuple[int, int, int]]) -> Any:
     """Autotuned over the streamed block only; the resident block is fixed by the caller (the bucket)."""
     configs = [triton.Config({stream_block: blk}, num_warps=w, num_stages=st) for blk, w, st in candidates]
-    return tune_cache.autotune(name, fn, configs, _KEY)
+    first = lambda cs, named_args, **kw: cs[:TUNE_CANDIDATES]
+    return tune_cache.autotune(name, fn, configs, _KEY, prune=first)
 
 
 # Two candidates each (one compilation per candidate on a first call).
