@@ -11,8 +11,12 @@ the fused backward of ``short_kv`` and ``few_q``. ``GEM_KERNELS_ATTENTION_VARIAN
 :func:`force_variant`) picks ``tiled``, ``onetile``, or ``auto`` (the default): on CUDA the first call of
 each bucket times both implementations (each autotuned) and keeps the faster, like an autotuner over kernels.
 
+Both kinds of choice persist across processes (:mod:`gem_kernels.tune_cache`: ``~/.cache/gem/kernels``,
+``GEM_KERNELS_CACHE``), and only a few candidates per shape and dtype class are compiled at all
+(:func:`candidates_for`), so a new bucket costs a few compilations and a cached one none but the winner's.
+
 Under ``TRITON_INTERPRET=1`` (CPU tests) fixed blocks run; tests force blocks with :func:`force_blocks`
-and implementations with :func:`force_variant`.
+and implementations with :func:`force_variant`, or tune as on CUDA with :func:`tune_in_interpreter`.
 """
 
 # fmt: off
@@ -28,8 +32,8 @@ from typing import Any
 
 import torch
 import triton
-import triton.testing
 
+from gem_kernels import tune_cache
 from gem_kernels._dispatch import triton_interpreted
 from gem_kernels.attention.activations import ACTIVATION_IDS
 from gem_kernels.attention.triton_bwd import _dkdv_kernel, _dq_kernel
@@ -45,7 +49,13 @@ UNBOUNDED = 1 << 30
 SHORT_KV = 64  # cross-attention with at most this many keys per sequence
 FEW_Q = 32  # PMA-style pooling with at most this many queries per sequence
 
+# At most this many candidates per kernel are compiled and timed for a new bucket (the first listed, the
+# H200's pick, first): 1 times nothing. Each costs a compilation (~2 s on the H200's host) on a first call.
+TUNE_CANDIDATES = int(os.environ.get("GEM_KERNELS_TUNE_CANDIDATES", "2"))
+if TUNE_CANDIDATES < 1:
+    raise ValueError(f"GEM_KERNELS_TUNE_CANDIDATES must be >= 1, got {TUNE_CANDIDATES}")
 _forced: tuple[int, int] | None = None
+_tune_interpreted = False  # tests: autotune (and choose variants) under the interpreter too
 _forced_variant: str | None = None
 # "persistent", "tma", "tma_ws": the persistent-grid kernels (:mod:`.triton_persistent_launch`), opt-in.
 PERSISTENT_VARIANTS = ("persistent", "tma", "tma_ws")
@@ -55,10 +65,6 @@ VARIANTS = ("tiled", "onetile", "auto", *PERSISTENT_VARIANTS)
 DEFAULT_VARIANT = os.environ.get("GEM_KERNELS_ATTENTION_VARIANT", "auto")
 if DEFAULT_VARIANT not in VARIANTS:
     raise ValueError(f"GEM_KERNELS_ATTENTION_VARIANT must be one of {VARIANTS}, got {DEFAULT_VARIANT!r}")
-
-# GEM_KERNELS_AUTOTUNE=0: no tuning, each kernel compiles only the first candidate of its shape class (a
-# shorter cold warm-up: one compilation per kernel and bucket instead of 3-4; the tiles may be slower).
-AUTOTUNE = os.environ.get("GEM_KERNELS_AUTOTUNE", "1") != "0"
 
 
 @contextlib.contextmanager
@@ -70,6 +76,22 @@ def force_blocks(block_m: int, block_n: int) -> Iterator[None]:
         yield
     finally:
         _forced = old
+
+
+@contextlib.contextmanager
+def tune_in_interpreter() -> Iterator[None]:
+    """Under ``TRITON_INTERPRET=1``, go through the autotuners and the ``auto`` variant choice as on CUDA
+    (and so the persistent cache) instead of fixed blocks (tests)."""
+    global _tune_interpreted
+    old, _tune_interpreted = _tune_interpreted, True
+    try:
+        yield
+    finally:
+        _tune_interpreted = old
+
+
+def _fixed_blocks() -> bool:
+    return _forced is not None or (triton_interpreted() and not _tune_interpreted)
 
 
 @contextlib.contextmanager
@@ -94,21 +116,43 @@ def _bucket(n: int) -> int:
 # queries and BLOCK_N the keys in every kernel. "short_kv": cross-attention with <= SHORT_KV keys (one key
 # tile per sequence, many query rows per program); "few_q": PMA with <= FEW_Q queries (one query tile per
 # sequence, long key tiles); "general": everything else. The dK/dV kernel's outer tile is BLOCK_N.
+# Two per class and kernel, the H200's pick first (BENCHMARKS.md runs B and C), since a first call pays
+# one compilation (~2 s) per candidate; key tiles longer than the keys' bucket are pruned.
 _CANDIDATES = {
     "fwd": {
-        "general": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)],
-        "short_kv": [(128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 16, 4, 3)],
-        "few_q": [(32, 128, 4, 3), (32, 64, 4, 3), (16, 128, 4, 3)],
+        "general": [(128, 64, 8, 3), (128, 128, 8, 3)],
+        "short_kv": [(128, 16, 4, 3), (128, 64, 4, 3)],
+        "few_q": [(32, 64, 4, 3), (32, 128, 4, 3)],
     },
     "dq": {
-        "general": [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)],
-        "short_kv": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 16, 4, 3)],
-        "few_q": [(32, 64, 4, 3), (32, 128, 4, 3), (16, 128, 4, 3)],
+        "general": [(128, 64, 8, 3), (64, 64, 4, 3)],
+        "short_kv": [(128, 16, 4, 3), (128, 64, 8, 3)],
+        "few_q": [(32, 64, 4, 3), (32, 128, 4, 3)],
     },
     "dkdv": {
-        "general": [(32, 128, 4, 4), (64, 128, 8, 3), (64, 64, 4, 3)],
-        "short_kv": [(64, 64, 4, 3), (128, 64, 8, 3), (32, 64, 4, 4), (128, 16, 4, 3)],
-        "few_q": [(32, 128, 4, 3), (32, 64, 4, 3), (16, 128, 4, 3)],
+        "general": [(64, 128, 8, 3), (32, 128, 4, 4)],
+        "short_kv": [(32, 64, 4, 4), (128, 16, 4, 3)],
+        "few_q": [(32, 64, 4, 3), (32, 128, 4, 3)],
+    },
+}
+# fp32 inputs: twice the bytes per tile and, with exact products, FMA dots whose unrolled code grows with
+# BLOCK_M * BLOCK_N (a 128x128 fp32 tile took minutes to compile, or failed for shared memory after
+# compiling). Small tiles, two stages, and only the first that fits is compiled: nothing to time.
+_CANDIDATES_FP32 = {
+    "fwd": {
+        "general": [(64, 32, 4, 2)],
+        "short_kv": [(64, 32, 4, 2), (64, 16, 4, 2)],
+        "few_q": [(32, 64, 4, 2), (16, 64, 4, 2)],
+    },
+    "dq": {
+        "general": [(64, 32, 4, 2)],
+        "short_kv": [(64, 32, 4, 2), (64, 16, 4, 2)],
+        "few_q": [(32, 64, 4, 2), (16, 64, 4, 2)],
+    },
+    "dkdv": {
+        "general": [(32, 64, 4, 2)],
+        "short_kv": [(32, 64, 4, 2), (32, 32, 4, 2), (64, 16, 4, 2)],
+        "few_q": [(32, 64, 4, 2), (16, 64, 4, 2)],
     },
 }
 
@@ -122,29 +166,56 @@ def shape_class(bucket_q: int, bucket_kv: int) -> str:
 
 
 def _configs(kernel: str) -> list[triton.Config]:
-    seen = {c for cands in _CANDIDATES[kernel].values() for c in cands}
+    tables = (_CANDIDATES[kernel], _CANDIDATES_FP32[kernel])
+    seen = {c for table in tables for cands in table.values() for c in cands}
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
         for bm, bn, w, st in sorted(seen)
     ]
 
 
+def smem_bytes(kernel: str, bm: int, bn: int, stages: int, block_d: int, block_dv: int, elsize: int) -> int:
+    """Upper estimate of a tiled kernel's shared memory: its resident tile(s) once, the streamed tiles once
+    per pipeline stage (fwd: Q resident, K and V streamed; dQ: Q and dO resident; dK/dV: K and V resident,
+    Q and dO streamed)."""
+    row = (block_d + block_dv) * elsize
+    resident, streamed = {"fwd": (bm * block_d * elsize, bn * row), "dq": (bm * row, bn * row),
+                          "dkdv": (bn * row, bm * row)}[kernel]
+    return resident + stages * streamed
+
+
+def _smem_limit(t: torch.Tensor) -> int | None:
+    if t.device.type != "cuda":
+        return None  # the interpreter has no shared memory to run out of
+    props = torch.cuda.get_device_properties(t.device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0)) or None
+
+
+def candidates_for(
+    kernel: str, bucket_q: int, bucket_kv: int, dtype: torch.dtype, block_d: int, block_dv: int,
+    smem_limit: int | None,
+) -> list[tuple[int, int, int, int]]:
+    """The (BLOCK_M, BLOCK_N, warps, stages) worth compiling for a bucket: those of its shape class and
+    dtype class, with key tiles no longer than the keys' bucket and tiles that fit shared memory (pruned
+    here rather than compiled and found too big). Never empty; at most ``TUNE_CANDIDATES``, one for fp32."""
+    fp32 = dtype == torch.float32
+    cands = (_CANDIDATES_FP32 if fp32 else _CANDIDATES)[kernel][shape_class(bucket_q, bucket_kv)]
+    elsize = 4 if fp32 else 2
+    fits = [c for c in cands if smem_limit is None
+            or smem_bytes(kernel, c[0], c[1], c[3], block_d, block_dv, elsize) <= smem_limit]
+    kept = [c for c in fits if c[1] <= max(bucket_kv, 16)]
+    kept = kept or fits[-1:] or [min(cands, key=lambda c: c[0] * c[1])]
+    return kept[:1] if fp32 else kept[:TUNE_CANDIDATES]
+
+
 def _pruner(kernel: str) -> Callable[..., list[Any]]:
-    def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: object) -> list[Any]:
-        """Keep the candidates of the shape class (and key tiles no longer than the keys' bucket)."""
-        bq, bkv = named_args["bucket_q"], named_args["bucket_kv"]
-        wanted = set(_CANDIDATES[kernel][shape_class(bq, bkv)])
-        kept = [
-            c
-            for c in configs
-            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted
-            and c.kwargs["BLOCK_N"] <= max(bkv, 16)
-        ]
-        if not AUTOTUNE:  # the class's first listed candidate that fits
-            order = _CANDIDATES[kernel][shape_class(bq, bkv)]
-            kept = sorted(kept, key=lambda c: order.index(
-                (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)))[:1]  # fmt: skip
-        return kept or configs[:1]
+    def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+        """Keep :func:`candidates_for` the launch's bucket."""
+        q = named_args["Q"]
+        wanted = candidates_for(kernel, named_args["bucket_q"], named_args["bucket_kv"], q.dtype,
+                                kwargs["BLOCK_D"], kwargs["BLOCK_DV"], _smem_limit(q))
+        by_tuple = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
+        return [by_tuple[w] for w in wanted]
 
     return prune
 
@@ -153,9 +224,8 @@ _KEY = ["bucket_b", "bucket_q", "bucket_kv", "band_kind", "ACT", "D", "DV", "PRE
 
 
 def _tuned(kernel: str, fn: Any) -> Any:
-    return triton.autotune(
-        _configs(kernel), key=_KEY, prune_configs_by={"early_config_prune": _pruner(kernel)}
-    )(fn)
+    # triton.autotune with its choices kept on disk (gem_kernels.tune_cache).
+    return tune_cache.autotune(kernel, fn, _configs(kernel), _KEY, prune=_pruner(kernel))
 
 
 _fwd_tuned = _tuned("fwd", _fwd_kernel)
@@ -164,15 +234,19 @@ _dkdv_tuned = _tuned("dkdv", _dkdv_kernel)
 _fast_act_ok = True  # cleared if the hardware-tanh activations fail to compile on this GPU/Triton
 
 
-def _onetile_tuned(fn: Any, stream_block: str, candidates: list[tuple[int, int, int]]) -> Any:
+def _onetile_tuned(name: str, fn: Any, stream_block: str, candidates: list[tuple[int, int, int]]) -> Any:
     """Autotuned over the streamed block only; the resident block is fixed by the caller (the bucket)."""
     configs = [triton.Config({stream_block: blk}, num_warps=w, num_stages=st) for blk, w, st in candidates]
-    return triton.autotune(configs if AUTOTUNE else configs[:1], key=_KEY)(fn)
+    first = lambda cs, named_args, **kw: cs[:TUNE_CANDIDATES]
+    return tune_cache.autotune(name, fn, configs, _KEY, prune=first)
 
 
-_fwd_short_kv_tuned = _onetile_tuned(_fwd_short_kv_kernel, "BLOCK_M", [(128, 8, 3), (128, 4, 3), (64, 4, 3)])
-_bwd_short_kv_tuned = _onetile_tuned(_bwd_short_kv_kernel, "BLOCK_M", [(64, 4, 3), (128, 8, 3), (32, 4, 3)])
-_bwd_few_q_tuned = _onetile_tuned(_bwd_few_q_kernel, "BLOCK_N", [(64, 4, 3), (128, 8, 3), (128, 4, 3)])
+# Two candidates each (one compilation per candidate on a first call).
+_fwd_short_kv_tuned = _onetile_tuned("fwd_short_kv", _fwd_short_kv_kernel, "BLOCK_M",
+                                     [(128, 8, 3), (128, 4, 3)])
+_bwd_short_kv_tuned = _onetile_tuned("bwd_short_kv", _bwd_short_kv_kernel, "BLOCK_M",
+                                     [(64, 4, 3), (128, 8, 3)])
+_bwd_few_q_tuned = _onetile_tuned("bwd_few_q", _bwd_few_q_kernel, "BLOCK_N", [(64, 4, 3), (128, 8, 3)])
 # (family, buckets, constexprs, dtype) -> "tiled" or "onetile", decided by timing on the first call.
 variant_choice: dict[tuple[Any, ...], str] = {}
 
@@ -181,7 +255,7 @@ def _launch_onetile(
     tuned: Any, raw: Any, grid: Grid, args: tuple[Any, ...], consts: Consts, resident: dict[str, int]
 ) -> None:
     """Launch a one-tile kernel: ``resident`` fixes the block of the short side."""
-    if triton_interpreted() or _forced is not None:
+    if _fixed_blocks():
         bm, bn = _forced if _forced is not None else (32, 32)
         blocks = {"BLOCK_M": bm, "BLOCK_N": bn, **resident}
         raw[grid](*args, **blocks, **consts)
@@ -201,25 +275,34 @@ def _with_fast_act_fallback(launch: Callable[[Consts], None], consts: Consts) ->
         launch({**consts, "FAST_ACT": False})
 
 
-def _choose(key: tuple[Any, ...], tiled: Callable[[], None], onetile: Callable[[], None]) -> None:
+def _choose(
+    key: tuple[Any, ...], kernels: list[Any], device: torch.device, tiled: Callable[[], None],
+    onetile: Callable[[], None],
+) -> None:
     """Run ``onetile`` or ``tiled`` (callables that launch), per the forced or default variant; "auto" on
-    CUDA times both once per key and keeps the faster (under the interpreter it runs ``onetile``)."""
+    CUDA times both once per key and keeps the faster, on disk too (:mod:`gem_kernels.tune_cache`: a new
+    process reads the choice and compiles only the winner). Under the interpreter it runs ``onetile``."""
     variant = _forced_variant or DEFAULT_VARIANT
-    if variant != "auto" or triton_interpreted():
+    if variant != "auto" or (triton_interpreted() and not _tune_interpreted):
         (tiled if variant == "tiled" else onetile)()
         return
     if key not in variant_choice:
-        tiled()  # compile and autotune both first
-        try:
-            onetile()
-        except Exception as e:  # a kernel this GPU/Triton cannot build: keep the general kernels
-            warnings.warn(f"one-tile attention kernel unavailable ({type(e).__name__}: {e}); using the tiled "
-                          "kernels", stacklevel=3)
-            variant_choice[key] = "tiled"
-        else:
-            t_tiled = triton.testing.do_bench(tiled, warmup=5, rep=20, return_mode="median")
-            t_one = triton.testing.do_bench(onetile, warmup=5, rep=20, return_mode="median")
-            variant_choice[key] = "onetile" if t_one < t_tiled else "tiled"
+        def timer(launch: Callable[[], None]) -> Callable[[], float]:
+            def run() -> float:
+                launch()  # compile and autotune first
+                return float(tune_cache.default_bench(launch, (0.5,))[0])
+            return run
+
+        def onetile_timer() -> float:
+            try:
+                return timer(onetile)()
+            except Exception as e:  # a kernel this GPU/Triton cannot build: keep the general kernels
+                warnings.warn(f"one-tile attention kernel unavailable ({type(e).__name__}: {e}); using the "
+                              "tiled kernels", stacklevel=4)
+                return float("inf")
+
+        variant_choice[key], _ = tune_cache.choose(
+            key, kernels, {"tiled": timer(tiled), "onetile": onetile_timer}, device)
     (onetile if variant_choice[key] == "onetile" else tiled)()
 
 
@@ -229,7 +312,7 @@ def _launch(
     """Launch ``raw`` with fixed blocks (interpreter or forced) or ``tuned`` (CUDA autotune).
 
     ``grid_of(block_m, block_n)`` gives the grid; axis 1 counts the tiles of the longest sequence."""
-    if triton_interpreted() or _forced is not None:
+    if _fixed_blocks():
         bm, bn = _forced if _forced is not None else (32, 32)
         if 0 in grid_of(bm, bn):
             return
@@ -314,7 +397,8 @@ def attention_fwd(
         _launch_onetile(_fwd_short_kv_tuned, _fwd_short_kv_kernel, (batch * heads,), args, consts,
                         {"BLOCK_N": buckets[2]})
 
-    _choose(_choice_key("fwd", q, buckets, consts), tiled, onetile)
+    _choose(_choice_key("fwd", q, buckets, consts), [_fwd_kernel, _fwd_short_kv_kernel], q.device, tiled,
+            onetile)
     return out, lse
 
 
@@ -372,5 +456,7 @@ def attention_bwd(
             _launch_onetile(_bwd_few_q_tuned, _bwd_few_q_kernel, (batch * heads,), args, consts,
                             {"BLOCK_M": buckets[1]})
 
-    _choose(_choice_key("bwd", q, buckets, consts), tiled, onetile)
+    fused = _bwd_short_kv_kernel if kind == "short_kv" else _bwd_few_q_kernel
+    _choose(_choice_key("bwd", q, buckets, consts), [_dq_kernel, _dkdv_kernel, fused], q.device, tiled,
+            onetile)
     return dq, dk, dv
