@@ -150,6 +150,11 @@ def _train(cfg: TrainConfig, resume: str | None) -> int:
                 f"[{cfg.train.select_task}] {result.best_valid_ne:.4f}; {result.best_checkpoint}):"
             )
             print(result.best_eval.summary())
+        if result.early_stopped:
+            print(
+                f"early stop: step {result.step} of {cfg.train.steps}, best-validation step "
+                f"{result.best_step} (train.early_stop_patience = {cfg.train.early_stop_patience})"
+            )
         print(f"run directory: {result.run_dir}")
     return 0
 
