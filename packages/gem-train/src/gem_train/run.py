@@ -192,5 +192,8 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> Run:
         # TorchRec-sharded tables train with the row-wise Adagrad fused into their backward.
         tables = {id(p) for p in model.embeddings.parameters()}
         dense, sparse = [p for p in dense if id(p) not in tables], []
-    optimizers = build_optimizers(dense, sparse, cfg.optim)
+    no_decay = (
+        list(model.no_weight_decay_parameters()) if hasattr(model, "no_weight_decay_parameters") else []
+    )
+    optimizers = build_optimizers(dense, sparse, cfg.optim, no_decay)
     return Run(cfg, d, source, built, train_model, optimizers, dense, autocast_dtype, peak, layout)
