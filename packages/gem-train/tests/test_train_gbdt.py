@@ -74,7 +74,7 @@ def test_features_of_an_example_use_only_earlier_events_and_its_own_row(tmp_path
         stats2 = fit_train_stats(_train_batches(ds2), ds2.spec)
         got = batch_features(ds2.make_batch(np.array([r])), ds2.spec, stats2)[0]
         np.testing.assert_array_equal(got, x[k], err_msg=str(r))
-    # Leave-one-out: a training example's own label does not reach its features.
+    # A training example's own label does not reach its features (counts count occurrences, not labels).
     batches = _train_batches(ds)
     k = 3
     one = batches[k]

@@ -5,10 +5,11 @@ only: the history holds events before the candidate) plus statistics of the *tra
 
 - the batch's dense features as they are (on MovieLens: age, release year, training popularity of the
   movie, the user's earlier like-rate, mean rating and genre affinity, the time since the previous event);
-- each single-id sparse feature: its id (a categorical feature when the vocabulary has <= 255 ids), its
-  count in the training split (the popularity of the candidate item, the activity of the user) and the
-  smoothed positive rate of the first task among those training examples (a training example's own label
-  left out of its own rate: leave-one-out, so the trees cannot read the label back);
+- each single-id sparse feature: its id (a categorical feature when the vocabulary has <= 255 ids), and its
+  count in the training split (the popularity of the candidate item, the activity of the user). No
+  positive rate of the id: on the training rows it would hold their own label (and its leave-one-out form
+  encodes the label exactly given the count: measured, the trees then learn nothing that holds on
+  validation);
   each multi-id feature with <= 32 ids: one indicator per id (MovieLens genres);
 - each sequence: log length, mean action id, the share of each action id (<= 16 ids: the user's rating
   histogram), the mean and last action of the 10 most recent events, log hours since the last and the
@@ -98,9 +99,6 @@ def _row_of(b: GemBatch, name: str) -> np.ndarray:
     return np.repeat(np.arange(b.batch_size), b.sparse[name].lengths().numpy())
 
 
-_SMOOTH = 20.0  # pseudo-examples at the prior in a smoothed positive rate
-
-
 def feature_names(spec: FeatureSpec) -> tuple[list[str], list[bool]]:
     """Column names of :func:`batch_features` and which columns are categorical."""
     names = [f"dense_{i}" for i in range(spec.n_dense)]
@@ -110,8 +108,8 @@ def feature_names(spec: FeatureSpec) -> tuple[list[str], list[bool]]:
             if f.num_embeddings <= _MAX_CATEGORIES:
                 names.append(f"{f.name}")
                 cat.append(True)
-            names += [f"{f.name}_train_count", f"{f.name}_train_rate"]
-            cat += [False, False]
+            names.append(f"{f.name}_train_count")
+            cat.append(False)
         elif f.num_embeddings <= _MAX_INDICATORS:
             names += [f"{f.name}={i}" for i in range(f.num_embeddings)]
             cat += [False] * f.num_embeddings
@@ -132,12 +130,11 @@ def batch_features(
     """``[B, F]`` float64 features of each example (columns: :func:`feature_names`), from its own row of
     ``batch`` and the training statistics ``stats`` only (so an example's features do not depend on the
     other examples of its batch). ``training``: the batch is from the training split, whose examples are
-    in ``stats``: each one's own label and count are taken out of its rates (leave-one-out)."""
+    in ``stats``: each one's own occurrence is taken out of its counts (so a training row sees the counts a
+    held-out row with the same ids would see, less itself)."""
     b = batch.batch_size
-    y, m = _first_label(batch)
-    own_n, own_y = (m, y * m) if training else (np.zeros(b), np.zeros(b))
-    rest = np.maximum(stats.labelled - own_n, 1.0)
-    prior = np.where(stats.labelled > own_n, (stats.label_sum - own_y) / rest, 0.5)  # leave-one-out too
+    _, m = _first_label(batch)
+    own_n = m if training else np.zeros(b)
     cols: list[np.ndarray] = [batch.dense.numpy().astype(np.float64).T.reshape(spec.n_dense, b)]
     for f in spec.sparse:
         ids, lengths = _ids(batch, f.name)
@@ -147,11 +144,8 @@ def batch_features(
                 one = np.full(b, -1)
             if f.num_embeddings <= _MAX_CATEGORIES:
                 cols.append(np.where(one >= 0, one, np.nan)[None].astype(np.float64))
-            idx = np.maximum(one, 0)
-            count = np.where(one >= 0, stats.counts[f.name][idx] - own_n, 0.0)
-            pos = np.where(one >= 0, stats.positives[f.name][idx] - own_y, 0.0)
+            count = np.where(one >= 0, stats.counts[f.name][np.maximum(one, 0)] - own_n, 0.0)
             cols.append(np.log1p(count)[None])
-            cols.append(((pos + _SMOOTH * prior) / (count + _SMOOTH))[None])
         elif f.num_embeddings <= _MAX_INDICATORS:
             hot = np.zeros((f.num_embeddings, b))
             owner = np.repeat(np.arange(b), lengths)
@@ -187,8 +181,8 @@ def batch_features(
                 has, np.bincount(owner, weights=act * recent, minlength=b) / np.maximum(n_recent, 1), np.nan
             ),
             np.where(has, act[last] if len(act) else 0.0, np.nan),
-            np.where(has, np.log1p((t_req - (ts[last] if len(ts) else 0.0)) / 3600.0), np.nan),
-            np.where(has, np.log1p((t_req - (ts[nth] if len(ts) else 0.0)) / 3600.0), np.nan),
+            np.where(has, np.log1p(np.maximum(t_req - (ts[last] if len(ts) else 0.0), 0.0) / 3600.0), np.nan),
+            np.where(has, np.log1p(np.maximum(t_req - (ts[nth] if len(ts) else 0.0), 0.0) / 3600.0), np.nan),
             np.bincount(owner, weights=gap <= _DAY, minlength=b),
             np.bincount(owner, weights=gap <= _WEEK, minlength=b),
         ]
@@ -255,8 +249,8 @@ def run_gbdt(
     report the test split (see the module doc). ``max_train_batches`` caps the training pass (needed for an
     endless stream; 0: one pass)."""
     try:
-        from sklearn.ensemble import HistGradientBoostingClassifier
-        from threadpoolctl import threadpool_limits
+        from sklearn.ensemble import HistGradientBoostingClassifier  # type: ignore[import-untyped]
+        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
     except ImportError:
         raise ConfigError(
             "gem-train baseline --model gbdt needs scikit-learn: pip install 'gem-train[gbdt]'"
@@ -308,9 +302,8 @@ def run_gbdt(
                         best = (ne, point, model)
             assert best is not None  # the grid is not empty
             _, point, model = best
-            k = point["n_trees"]
-            p_va = _staged(model, x_va[va], k)
-            p_te = _staged(model, x_te[te], k)
+            p_va = _staged(model, x_va[va], int(point["n_trees"]))
+            p_te = _staged(model, x_te[te], int(point["n_trees"]))
             params[task] = point
             valid[task] = binary_metrics(p_va, y_va[va, j])
             test[task] = binary_metrics(p_te, y_te[te, j])

@@ -373,7 +373,7 @@ class Trainer:
             f"(train.early_stop_patience = {self.cfg.train.early_stop_patience}); best step "
             f"{best[0] if best else None}, NE {best[1] if best else float('nan'):.4f}"
         )
-        row = {"best_step": best[0] if best else -1, "since_best": self.selection.since_best}
+        row = {"best_step": float(best[0] if best else -1), "since_best": float(self.selection.since_best)}
         self.logger.log(step, "early_stop", row)
         if self.dist.is_main:
             print(f"gem-train: {msg}", file=sys.stderr)
