@@ -400,3 +400,26 @@ def test_pooled_embeddings_follow_the_feature_names_whatever_the_key_order_of_th
     model.embeddings.bags = Permuted()
     got, _ = model.embeddings(batch)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_dropout_is_off_by_default_and_only_active_in_training():
+    # Default: no Dropout module at all (so no RNG draw: existing runs compute what they did before).
+    assert not any(isinstance(m, torch.nn.Dropout) for m in _model(_config()).modules())
+    with pytest.raises(ValueError, match="dropout must lie in"):
+        _config(dropout=1.0)
+    config = _config(dropout=0.3, embedding_dropout=0.2)
+    model = _model(config)
+    ref = _model(_config())  # same seed, same weights (dropout has no parameters)
+    ref.load_state_dict(model.state_dict())
+    # 3 layers + the encoder + 2 task heads.
+    assert sum(isinstance(m, torch.nn.Dropout) for m in model.modules()) == 3 + 1 + 2
+    batch = gm.random_batch(config.features, 8, seed=1)
+    model.eval()
+    ref.eval()
+    for task, v in model(batch).items():
+        torch.testing.assert_close(v, ref(batch)[task], rtol=0, atol=0)
+    model.train()
+    a, b = model(batch), model(batch)
+    assert all(not torch.equal(a[t], b[t]) for t in a)  # a different mask each call
+    _loss(model, batch).backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -94,14 +94,16 @@ def test_validation_split_by_time_disjoint_and_without_leakage(tmp_path):
         assert t[0].max() <= t[2].min()
     # Training popularity counts training events only.
     assert ds.item_pop.sum() == len(ds.train_rows)
-    # No leakage: the history of each validation/test event is exactly the user's earlier events, oldest
-    # first (all of them: max_len 64), never the event itself nor a later one.
+    # No leakage: the history of each validation/test event is exactly the user's events at earlier times,
+    # oldest first (all of them: max_len 64), never the event itself, a later one or one of the same second
+    # (user 3's test event at t=50 has an empty history: its training event is also at t=50).
     for split in ("valid", "test"):
         rows_ = ds.rows(split, 0, 1024)
         hist = ds.get(split, 0, 1024).batch.sequences["history"]
         offs = hist.offsets.tolist()
         for k, r in enumerate(rows_):
             expect = np.arange(ev.user_start[ev.user[r]], r)
+            expect = expect[ev.timestamp[expect] < ev.timestamp[r]]
             assert hist.item_ids[offs[k] : offs[k + 1]].tolist() == ev.item[expect].tolist()
             assert hist.timestamps[offs[k] : offs[k + 1]].tolist() == ev.timestamp[expect].tolist()
             assert r not in expect
@@ -257,3 +259,46 @@ def test_the_recbole_wheel_is_checked_against_its_known_sha256(tmp_path):
     (tmp_path / "cache" / fake.name).write_bytes(fake.read_bytes())
     with pytest.raises(DataFetchError, match="is not the known sha256"):
         fetch_movielens_100k(tmp_path / "cache")
+
+
+def _features(b):
+    """Everything of a batch except its labels (what the model sees)."""
+    h = b.sequences["history"]
+    return (
+        b.dense, b.sparse.values(), b.sparse.lengths(), b.request_time, h.offsets, h.item_ids,
+        h.action_ids, h.timestamps,
+    )  # fmt: skip
+
+
+def test_no_event_at_or_after_the_candidate_reaches_its_features(tmp_path):
+    # Ties in time (ML-100K users rate several movies in the same second): user 1 rates items 1 and 2 at
+    # t=10, item 3 at t=20, items 1 and 2 again at t=30 and t=30, item 3 at t=40 ...
+    rows = ["1\t1\t5\t10\n", "1\t2\t1\t10\n", "1\t3\t4\t20\n", "1\t1\t2\t30\n", "1\t2\t5\t30\n"]
+    rows += [f"1\t{1 + k % 3}\t{1 + k % 5}\t{40 + 10 * k}\n" for k in range(8)]
+    rows += ["2\t3\t5\t7\n", "2\t1\t2\t7\n", "2\t2\t4\t9\n", "2\t3\t1\t12\n"]
+    _write(tmp_path, rows, users="1\t24\tM\ttechnician\t85711\n2\t53\tF\tother\tT8H1N\n")
+    cfg = MovieLensConfig(max_len=4, eval_fraction=0.2, valid_fraction=0.2)
+    ev = read_movielens_100k(tmp_path)
+    ds = MovieLens100K(cfg, events=ev)
+    assert ev.user_zip[1:].tolist() == [8, 10]  # first digit; a non-numeric code is bucket 10
+    everything = np.arange(len(ev.user))
+    b = ds.make_batch(everything)
+    b.validate(ds.spec)
+    h = b.sequences["history"]
+    for r in everything:
+        # The reference: the user's events strictly earlier in time, the most recent max_len, oldest first.
+        same = np.flatnonzero((ev.user == ev.user[r]) & (ev.timestamp < ev.timestamp[r]))[-4:]
+        got = slice(int(h.offsets[r]), int(h.offsets[r + 1]))
+        assert h.timestamps[got].tolist() == ev.timestamp[same].tolist()
+        assert h.item_ids[got].tolist() == ev.item[same].tolist()
+        assert h.action_ids[got].tolist() == ev.rating[same].tolist()
+    # Perturbation: change every rating at or after a candidate's time (the candidate's own included, so
+    # also its label); none of the candidate's features may change. Popularity counts events, not ratings.
+    for r in everything:
+        late = (ev.user == ev.user[r]) & (ev.timestamp >= ev.timestamp[r])
+        ev2 = read_movielens_100k(tmp_path)
+        ev2.rating[late] = 6 - ev2.rating[late]
+        ds2 = MovieLens100K(cfg, events=ev2)
+        one, two = ds.make_batch(np.array([r])), ds2.make_batch(np.array([r]))
+        for x, y in zip(_features(one), _features(two)):
+            assert torch.equal(x, y), r

@@ -150,3 +150,62 @@ def test_lr_factor_midpoint_and_past_the_end():
     # Half-way through the decay the cosine is at its mean; steps past the end stay at the floor.
     assert lr_factor(53, 102, 5, 0.2) == pytest.approx(0.6)  # decay over steps 5..101: 53 is half-way
     assert lr_factor(500, 102, 5, 0.2) == pytest.approx(0.2)
+
+
+def _decay_groups(model, adamw):
+    decay, no_decay = adamw.param_groups
+    return decay, no_decay, {id(p) for p in decay["params"]}, {id(p) for p in no_decay["params"]}
+
+
+def test_weight_decay_groups_of_a_gem_model():
+    # AdamW decays dense matrices only; biases, norm gains, PMA seeds and sequence-type tokens go to the
+    # no-decay group; every embedding table goes to the row-wise Adagrad (never decayed).
+    import dataclasses
+
+    import gem_model
+    from gem_train.config import OptimConfig
+    from gem_train.optim import build_optimizers
+
+    base = gem_model.get_config("tiny")
+    spec = dataclasses.replace(
+        base.features,
+        sequences=(*base.features.sequences, gem_model.SequenceFeature("clicks", 50, 3, 8)),
+    )
+    model = gem_model.GemModel(dataclasses.replace(base, features=spec, n_layers=1, attention="full"))
+    cfg = OptimConfig(weight_decay=0.1)
+    adamw, adagrad = build_optimizers(
+        model.dense_parameters(), model.sparse_parameters(), cfg, model.no_weight_decay_parameters()
+    )
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(adagrad, RowWiseAdagrad)
+    decay, no_decay, d_ids, n_ids = _decay_groups(model, adamw)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    tables = {id(p) for p in model.embeddings.parameters()}
+    assert {id(p) for g in adagrad.param_groups for p in g["params"]} == tables
+    names = dict(model.named_parameters())
+    for name, p in names.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if id(p) in tables:
+            assert id(p) not in d_ids | n_ids, name
+        elif p.dim() < 2 or leaf in ("seeds", "seq_type"):
+            assert id(p) in n_ids, name
+        else:
+            assert id(p) in d_ids, name
+    # Not vacuous: each kind exists in the model.
+    no_decay_names = [n for n, p in names.items() if id(p) in n_ids]
+    assert any(n.endswith(".bias") for n in no_decay_names)
+    assert any("norm" in n and n.endswith(".weight") for n in no_decay_names)
+    assert any(n.endswith(".seeds") for n in no_decay_names) and "input.seq_type" in no_decay_names
+    assert any(n.endswith("w13.weight") for n, p in names.items() if id(p) in d_ids)
+    assert len(d_ids) + len(n_ids) + len(tables) == len(names)
+
+
+def test_a_gem_run_builds_its_optimizer_with_the_model_s_no_decay_parameters():
+    from gem_train.config import load_config
+    from gem_train.run import build_run
+
+    run = build_run(
+        load_config("tiny-cpu", ["model.overrides.n_layers=1", 'model.overrides.attention="full"'])
+    )
+    _, _, d_ids, n_ids = _decay_groups(run.model, run.optimizers[0])
+    seeds = [p for n, p in run.model.named_parameters() if n.endswith(".seeds")]
+    assert seeds and all(id(p) in n_ids and id(p) not in d_ids for p in seeds)

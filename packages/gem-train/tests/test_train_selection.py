@@ -132,3 +132,66 @@ def test_resume_before_the_best_step_drops_that_best_and_finds_it_again(tmp_path
     second = tr.fit()
     assert (second.best_step, second.best_valid_ne) == (full.best_step, full.best_valid_ne)
     assert second.best_eval.tasks["ctr"].ne == full.best_eval.tasks["ctr"].ne
+
+
+def test_early_stopping_ends_the_run_patience_validations_after_the_best(
+    tmp_path, monkeypatch, capsys, selection_config
+):
+    # Controlled validation values: the best is step 2; steps 3 and 4 do not beat it, so patience 2 ends the
+    # run at step 4 (of 10), and the best checkpoint (step 2) is what the test split reports.
+    values = {1: 0.9, 2: 0.7, 3: 0.8, 4: 0.7, 5: 0.6, 6: 0.5}
+    monkeypatch.setattr(selection_mod, "selection_value", lambda ev, task: values[ev.step])
+    cfg = selection_config(tmp_path, "train.steps=10", "train.valid_every=1", "train.early_stop_patience=2")
+    res = Trainer(cfg).fit()
+    assert res.status == "completed" and res.early_stopped
+    assert res.step == 4 and res.best_step == 2 and len(res.losses) == 4
+    assert res.final_eval.step == 4 and res.best_eval.step == 2
+    assert "early stop at step 4 of 10" in capsys.readouterr().err
+    assert [r["step"] for r in _rows(res.run_dir, "valid")] == [1, 2, 3, 4]
+    assert _rows(res.run_dir, "early_stop")[0]["best_step"] == 2
+    summary = json.loads((res.run_dir / "eval.json").read_text())
+    assert summary["early_stop"] == {
+        "patience": 2, "stopped": True, "step": 4, "max_steps": 10, "best_step": 2,
+    }  # fmt: skip
+    assert summary["best"]["step"] == 2 and summary["step"] == 4
+
+
+def test_early_stopping_counts_validations_not_steps_and_is_off_by_default(
+    tmp_path, monkeypatch, selection_config
+):
+    # valid_every=2: validations at steps 2, 4, 6, 8; best at 2, so patience 2 stops at step 6.
+    values = {2: 0.7, 4: 0.8, 6: 0.9, 8: 0.6}
+    monkeypatch.setattr(selection_mod, "selection_value", lambda ev, task: values[ev.step])
+    res = Trainer(
+        selection_config(
+            tmp_path / "a", "train.steps=8", "train.valid_every=2", "train.early_stop_patience=2"
+        )
+    ).fit()
+    assert res.early_stopped and res.step == 6 and res.best_step == 2
+    # A new best resets the count: patience 3 reaches step 8, whose value is the new best.
+    res = Trainer(
+        selection_config(
+            tmp_path / "b", "train.steps=8", "train.valid_every=2", "train.early_stop_patience=3"
+        )
+    ).fit()
+    assert not res.early_stopped and res.step == 8 and res.best_step == 8
+    # Off (the default): the run goes to train.steps whatever the validation does.
+    res = Trainer(selection_config(tmp_path / "c", "train.steps=8", "train.valid_every=2")).fit()
+    assert not res.early_stopped and res.step == 8
+    assert "early_stop" not in json.loads((res.run_dir / "eval.json").read_text())
+
+
+def test_early_stopping_survives_a_resume(tmp_path, monkeypatch, selection_config):
+    # Stopped after step 3 (best 2, one validation without improvement), resumed: one more is enough.
+    values = {1: 0.9, 2: 0.7, 3: 0.8, 4: 0.75, 5: 0.1}
+    monkeypatch.setattr(selection_mod, "selection_value", lambda ev, task: values[ev.step])
+    cfg = selection_config(tmp_path, "train.steps=10", "train.valid_every=1", "train.early_stop_patience=2")
+    first = Trainer(cfg).fit(stop_after=3)
+    assert first.status == "stopped" and first.step == 3
+    res = Trainer(cfg, resume=first.last_checkpoint).fit()
+    assert res.early_stopped and res.step == 4 and res.best_step == 2
+
+
+def test_early_stopping_needs_a_validation_split(tmp_path, selection_config):
+    with pytest.raises(ConfigError, match="early_stop_patience = 3 counts validation evaluations"):
+        selection_config(tmp_path, "train.early_stop_patience=3", "train.valid_every=0").validate()

@@ -49,6 +49,10 @@ class GemConfig:
             ``rotary_position_scale * log1p((request_time - timestamp) / time_scale_s)``.
         head_hidden: hidden widths of each task's MLP head.
         norm_eps: epsilon of every LayerNorm / RMSNorm.
+        dropout: dropout probability on the output of every residual branch of the sequence half
+            (context cross-attention, self-attention, SwiGLU) and on the heads' hidden layers (0: off).
+        embedding_dropout: dropout probability on the input tokens (non-sequence tokens and history
+            events, after their embeddings are combined) (0: off).
     """
 
     features: FeatureSpec
@@ -78,6 +82,8 @@ class GemConfig:
     time_scale_s: float = 60.0
     head_hidden: tuple[int, ...] = (128, 64)
     norm_eps: float = 1e-5
+    dropout: float = 0.0
+    embedding_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.features, FeatureSpec):
@@ -114,6 +120,10 @@ class GemConfig:
         bad = [k for k in kinds if k not in ATTENTION_KINDS]
         if bad:
             raise ValueError(f"GemConfig.attention: unknown kinds {bad}; choose from {ATTENTION_KINDS}")
+        for name in ("dropout", "embedding_dropout"):
+            p = getattr(self, name)
+            if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+                raise ValueError(f"GemConfig.{name} must lie in [0, 1), got {p!r}")
         fm = self.wukong_fm_tokens
         if fm is not None and not (1 <= fm <= self.n_tokens):
             raise ValueError(f"GemConfig.wukong_fm_tokens must lie in [1, {self.n_tokens}], got {fm}")

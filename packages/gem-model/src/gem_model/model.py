@@ -35,6 +35,12 @@ __all__ = ["N_TIME_FEATURES", "GemLayer", "GemModel", "multitask_loss"]
 N_TIME_FEATURES = 16  # sin/cos of the log time gap at 8 frequencies
 
 
+def _dropout(p: float) -> nn.Module:
+    # Identity at p = 0: no RNG draws and no extra op, so a model without dropout computes what it did
+    # before the knob existed.
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
 def _pma(config: GemConfig, device: torch.device | str | None) -> PoolingAttention:
     return PoolingAttention(
         config.d_model, config.n_heads, config.head_dim, config.n_pma_tokens, kind=config.pma_kind,
@@ -76,6 +82,7 @@ class InputEncoder(nn.Module):
         n_seq = len(config.features.sequences)
         self.seq_type = nn.Parameter(torch.empty(n_seq, d, device=device)) if n_seq > 1 else None
         self.token_norm = nn.LayerNorm(d, eps=config.norm_eps, device=device)
+        self.dropout = _dropout(config.embedding_dropout)
         freqs = 2.0 ** torch.arange(N_TIME_FEATURES // 2, dtype=torch.float32) / 8.0
         self.register_buffer(
             "time_freqs", freqs.to(device) if device is not None else freqs, persistent=False
@@ -102,7 +109,7 @@ class InputEncoder(nn.Module):
         if pooled is not None:
             parts.append(self.sparse_proj(pooled) if self.sparse_proj is not None else pooled)
         dtype = parts[0].dtype
-        return self.token_norm(torch.cat([p.to(dtype) for p in parts], dim=1))
+        return self.dropout(self.token_norm(torch.cat([p.to(dtype) for p in parts], dim=1)))
 
     def history(
         self, batch: GemBatch, embedded: dict[str, tuple[Tensor, Tensor]]
@@ -139,7 +146,7 @@ class InputEncoder(nn.Module):
         if merged is None:
             raise ValueError("GemModel needs at least one sequence feature")
         tok, pos, offsets, max_len = merged
-        return tok, offsets, max_len, pos
+        return self.dropout(tok), offsets, max_len, pos
 
 
 class GemLayer(nn.Module):
@@ -177,6 +184,7 @@ class GemLayer(nn.Module):
         )  # fmt: skip
         self.ffn_norm = RMSNorm(d, eps=eps, device=device) if config.ffn_hidden else None
         self.ffn = SwiGLU(d, config.ffn_hidden, device=device) if config.ffn_hidden else None
+        self.dropout = _dropout(config.dropout)  # on each residual branch's output
 
     def reset_parameters(self) -> None:
         for m in (self.x_summary, self.s_summary, self.mixer, self.cross, self.attn, self.ffn):
@@ -195,10 +203,10 @@ class GemLayer(nn.Module):
         dtype = torch.promote_types(x.dtype, s_sum.dtype)
         x_next = self.mixer(torch.cat([x.to(dtype), s_sum.to(dtype)], dim=1))
         context = torch.cat([x_sum.to(dtype), s_sum.to(dtype)], dim=1)
-        s = s + self.cross(self.cross_norm(s), offsets, max_len, context)
-        s = s + self.attn(self.attn_norm(s), offsets, max_len, positions)
+        s = s + self.dropout(self.cross(self.cross_norm(s), offsets, max_len, context))
+        s = s + self.dropout(self.attn(self.attn_norm(s), offsets, max_len, positions))
         if self.ffn is not None and self.ffn_norm is not None:  # both or neither (config.ffn_hidden)
-            s = s + self.ffn(self.ffn_norm(s))
+            s = s + self.dropout(self.ffn(self.ffn_norm(s)))
         return x_next, s
 
 
@@ -206,10 +214,16 @@ class TaskHead(nn.Module):
     """MLP ``[B, in] -> [B]`` logits (fp32) for one task."""
 
     def __init__(
-        self, d_in: int, hidden: tuple[int, ...], eps: float, device: torch.device | str | None = None
+        self,
+        d_in: int,
+        hidden: tuple[int, ...],
+        eps: float,
+        device: torch.device | str | None = None,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_in, eps=eps, device=device)
+        self.dropout = _dropout(dropout)
         dims = (d_in, *hidden)
         self.hidden = nn.ModuleList(nn.Linear(a, b, device=device) for a, b in itertools.pairwise(dims))
         self.out = nn.Linear(dims[-1], 1, device=device)
@@ -224,7 +238,7 @@ class TaskHead(nn.Module):
     def forward(self, z: Tensor) -> Tensor:
         z = self.norm(z)
         for linear in self.hidden:
-            z = F.silu(linear(z))
+            z = self.dropout(F.silu(linear(z)))
         return self.out(z).squeeze(-1).float()
 
 
@@ -250,7 +264,9 @@ class GemModel(nn.Module):
         d_head = (config.n_sum_tokens + config.n_seq_summary_tokens) * config.d_model
         self.heads = nn.ModuleDict(
             {
-                t: TaskHead(d_head, config.head_hidden, config.norm_eps, device=device)
+                t: TaskHead(
+                    d_head, config.head_hidden, config.norm_eps, device=device, dropout=config.dropout
+                )
                 for t in config.features.tasks
             }
         )
@@ -278,6 +294,18 @@ class GemModel(nn.Module):
         """Every parameter outside the embedding tables."""
         sparse = {id(p) for p in self.embeddings.parameters()}
         return (p for p in self.parameters() if id(p) not in sparse)
+
+    def no_weight_decay_parameters(self) -> Iterator[nn.Parameter]:
+        """Dense parameters that weight decay should leave alone: biases and norm gains (every 1-D
+        parameter) and learned tokens that play the part of embedding rows (PMA seeds, sequence-type
+        tokens). Decaying them pulls gains and offsets towards 0 instead of limiting the capacity."""
+        sparse = {id(p) for p in self.embeddings.parameters()}
+        for name, p in self.named_parameters():
+            if id(p) in sparse:
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            if p.dim() < 2 or leaf in ("seeds", "seq_type"):
+                yield p
 
     def forward(self, batch: GemBatch) -> dict[str, Tensor]:
         """Returns task name -> logits ``[B]`` float32."""

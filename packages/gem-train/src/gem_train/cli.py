@@ -62,8 +62,15 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", default=None, help="a checkpoint dir, a run dir (its newest), or 'latest'")
     t.add_argument("overrides", nargs="*", help=ov_help)
 
-    b = sub.add_parser("baseline", help="train the plain MLP baseline (model.arch=mlp) on the same data")
+    b = sub.add_parser("baseline", help="a baseline on the same data and split: the plain MLP or GBDT")
     b.add_argument("--config", default="movielens", help=cfg_help)
+    b.add_argument(
+        "--model",
+        choices=("mlp", "gbdt"),
+        default="mlp",
+        help="mlp: the plain MLP (model.arch=mlp, trained like GEM); gbdt: gradient-boosted trees on causal "
+        "features (scikit-learn, the gbdt extra), trees chosen on validation",
+    )
     b.add_argument("overrides", nargs="*", help=ov_help)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint on its config's test (or validation) split")
@@ -150,7 +157,27 @@ def _train(cfg: TrainConfig, resume: str | None) -> int:
                 f"[{cfg.train.select_task}] {result.best_valid_ne:.4f}; {result.best_checkpoint}):"
             )
             print(result.best_eval.summary())
+        if result.early_stopped:
+            print(
+                f"early stop: step {result.step} of {cfg.train.steps}, best-validation step "
+                f"{result.best_step} (train.early_stop_patience = {cfg.train.early_stop_patience})"
+            )
         print(f"run directory: {result.run_dir}")
+    return 0
+
+
+def _gbdt(cfg: TrainConfig) -> int:
+    from gem_train.gbdt import run_gbdt, write_gbdt_result
+    from gem_train.run import build_source
+    from gem_train.run_dir import create_run_dir
+
+    source = build_source(cfg)
+    result = run_gbdt(cfg, source)
+    run = create_run_dir(cfg.run.out_dir, f"{cfg.run.name}-gbdt")
+    path = write_gbdt_result(result, run.root)
+    print(f"gbdt baseline ({result.seconds:.0f} s; trees and grid point chosen on the validation split):")
+    print(result.summary())
+    print(f"results: {path}")
     return 0
 
 
@@ -292,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 cfg = load_config(args.config, args.overrides)
             return _train(cfg, args.resume)
+        if args.command == "baseline" and args.model == "gbdt":
+            return _gbdt(load_config(args.config, args.overrides))
         if args.command == "baseline":
             cfg = load_config(args.config, ["model.arch=mlp", *args.overrides])
             cfg.run.name = f"{cfg.run.name}-baseline"

@@ -93,10 +93,12 @@ def _row_state(p: Tensor) -> Tensor:
     )
 
 
-def _decay_split(params: list[Tensor]) -> list[dict[str, Any]]:
-    # No weight decay on biases and norm gains (1-D): decaying them towards 0 only hurts.
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+def _decay_split(params: list[Tensor], no_decay_ids: set[int]) -> list[dict[str, Any]]:
+    # No weight decay on biases and norm gains (1-D) nor on what the model names (learned tokens that act
+    # as embedding rows): decaying them towards 0 only hurts. Embedding tables are not here at all (their
+    # optimizer is the row-wise Adagrad, without decay).
+    decay = [p for p in params if p.dim() >= 2 and id(p) not in no_decay_ids]
+    no_decay = [p for p in params if p.dim() < 2 or id(p) in no_decay_ids]
     groups: list[dict[str, Any]] = []
     if decay:
         groups.append({"params": decay})
@@ -106,16 +108,24 @@ def _decay_split(params: list[Tensor]) -> list[dict[str, Any]]:
 
 
 def build_optimizers(
-    dense: Iterable[Tensor], sparse: Iterable[Tensor], cfg: OptimConfig
+    dense: Iterable[Tensor],
+    sparse: Iterable[Tensor],
+    cfg: OptimConfig,
+    no_decay: Iterable[Tensor] = (),
 ) -> list[torch.optim.Optimizer]:
-    """``[AdamW over dense params, RowWiseAdagrad over embedding tables]`` (an empty group is left out)."""
+    """``[AdamW over dense params, RowWiseAdagrad over embedding tables]`` (an empty group is left out).
+
+    AdamW's first group (``weight_decay = cfg.weight_decay``) holds the dense matrices; the second
+    (``weight_decay = 0``) the 1-D parameters (biases, norm gains) and ``no_decay``.
+    """
+    no_decay_ids = {id(p) for p in no_decay}
     dense = [p for p in dense if p.requires_grad]
     sparse = [p for p in sparse if p.requires_grad]
     opts: list[torch.optim.Optimizer] = []
     if dense:
         opts.append(
             torch.optim.AdamW(
-                _decay_split(dense),
+                _decay_split(dense, no_decay_ids),
                 lr=cfg.lr,
                 betas=(cfg.beta1, cfg.beta2),
                 eps=cfg.eps,

@@ -23,10 +23,12 @@ def write_final(
     select_task: str,
     best: EvalResult | None = None,
     best_value: float | None = None,
+    early_stop: dict[str, Any] | None = None,
 ) -> None:
     """``eval.json`` (the test split of the final model and, with selection, of the best-validation
     checkpoint ``best`` with validation value ``best_value``), then the loss/NE curves and the
-    reliability plot. Rank 0 only."""
+    reliability plot; ``early_stop``: what early stopping did (``train.early_stop_patience > 0``). Rank 0
+    only."""
     summary: dict[str, Any] = {
         "step": ev.step,
         "tasks": {t: m.as_dict() for t, m in ev.tasks.items()},
@@ -45,6 +47,8 @@ def write_final(
             "ground_truth_ne": best.ground_truth_ne,
             "checkpoint": str(found) if found else None,
         }
+    if early_stop is not None:
+        summary["early_stop"] = early_stop
     tmp = run.eval_summary.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary, indent=2), encoding="utf-8")
     tmp.replace(run.eval_summary)  # never a half-written eval.json

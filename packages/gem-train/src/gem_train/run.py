@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gem_model import FeatureSpec, GemBatch, multitask_loss
+from gem_model import FeatureSpec, GemBatch, GemModel, multitask_loss
 from gem_train.config import ConfigError, TrainConfig
 from gem_train.data.loader import BatchSource
 from gem_train.distributed import DistInfo, init_distributed
@@ -192,5 +192,7 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> Run:
         # TorchRec-sharded tables train with the row-wise Adagrad fused into their backward.
         tables = {id(p) for p in model.embeddings.parameters()}
         dense, sparse = [p for p in dense if id(p) not in tables], []
-    optimizers = build_optimizers(dense, sparse, cfg.optim)
+    # The GEM model names its no-decay parameters (learned tokens); the MLP baseline has none beyond 1-D.
+    no_decay = list(model.no_weight_decay_parameters()) if isinstance(model, GemModel) else []
+    optimizers = build_optimizers(dense, sparse, cfg.optim, no_decay)
     return Run(cfg, d, source, built, train_model, optimizers, dense, autocast_dtype, peak, layout)

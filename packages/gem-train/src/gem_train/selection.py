@@ -5,6 +5,11 @@ at the last step); :class:`BestSelection` keeps the checkpoint of the lowest val
 ``train.select_task`` (or of the mean over tasks, ``"mean"``) in ``checkpoints/best`` (ties keep the earlier
 step), and at the end that checkpoint, loaded back from disk, is evaluated on the test split. The test split
 never takes part in the choice.
+
+Early stopping (``train.early_stop_patience = P > 0``): :attr:`BestSelection.since_best` counts the
+validation evaluations since the best one; once it reaches ``P`` the trainer ends the run there (see
+:meth:`BestSelection.should_stop_early`), so a run ends at most ``P * valid_every`` steps after its best
+checkpoint.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class BestSelection:
         self.run = run
         self.checkpoints = checkpoints
         self.best: tuple[int, float] | None = None
+        self.since_best = 0  # validation evaluations since the best one (early stopping)
         if not run.cfg.train.valid_every:
             return
         found = best_checkpoint(checkpoints)
@@ -68,6 +74,8 @@ class BestSelection:
         sel = st.get("selection", {})
         if resumed_step is not None and int(st["step"]) <= resumed_step and "value" in sel:
             self.best = (int(st["step"]), float(sel["value"]))
+            # Validations ran at multiples of valid_every: those after the best one, up to the resumed step.
+            self.since_best = (resumed_step - self.best[0]) // run.cfg.train.valid_every
         elif run.dist.is_main:
             (checkpoints / "best").unlink()
 
@@ -82,8 +90,11 @@ class BestSelection:
         row = ev.as_flat_dict()
         row["select_ne"] = value
         logger.log(step, "valid", row)
-        if math.isfinite(value) and (self.best is None or value < self.best[1]):
+        if not (math.isfinite(value) and (self.best is None or value < self.best[1])):
+            self.since_best += 1
+        else:
             self.best = (step, value)
+            self.since_best = 0
             extra = dict(extra)
             extra["selection"] = {
                 "task": cfg.train.select_task,
@@ -93,6 +104,11 @@ class BestSelection:
             save_best_checkpoint(
                 self.checkpoints, step, r.model, r.optimizers, extra, background=True, sparse=r.layout.sparse
             )
+
+    def should_stop_early(self) -> bool:
+        """Whether ``train.early_stop_patience`` validations in a row brought no new best (False when off)."""
+        patience = self.run.cfg.train.early_stop_patience
+        return bool(patience) and self.since_best >= patience
 
     def evaluate_best(
         self, should_stop: Callable[[], bool] | None = None, checkpoints: Path | None = None

@@ -75,6 +75,7 @@ class TrainResult:
     best_valid_ne: float | None = None
     best_checkpoint: Path | None = None
     best_eval: EvalResult | None = None
+    early_stopped: bool = False  # train.early_stop_patience ended the run before train.steps
 
 
 class Trainer:
@@ -128,6 +129,7 @@ class Trainer:
         if resume_from is None or resharded:
             torch.manual_seed(cfg.run.seed + 1_000_003 * (self.dist.rank + 1) + 7_919 * self.start_step)
         self.losses: list[float] = []
+        self.early_stopped = False
         self.signals = StopSignals()
         self.checkpoints = CheckpointKeeper(
             self.run.checkpoints, cfg.checkpoint.keep_last, self.dist, resume_from, self.start_step
@@ -260,6 +262,7 @@ class Trainer:
             best_valid_ne=best[1] if best else None,
             best_checkpoint=best_checkpoint(self.run.checkpoints) if best else None,
             best_eval=best_eval,
+            early_stopped=self.early_stopped,
         )
 
     def _final_evaluation(self, step: int) -> tuple[EvalResult, EvalResult | None]:
@@ -280,8 +283,22 @@ class Trainer:
             write_final(
                 self.run, self.tasks, final_eval, self.last_checkpoint, self.cfg.train.select_task,
                 best_eval, best[1] if best else None,
+                early_stop=self._early_stop_summary(step),
             )  # fmt: skip
         return final_eval, best_eval
+
+    def _early_stop_summary(self, step: int) -> dict[str, Any] | None:
+        t = self.cfg.train
+        if not t.early_stop_patience:
+            return None
+        best = self.selection.best
+        return {
+            "patience": t.early_stop_patience,
+            "stopped": self.early_stopped,
+            "step": step,
+            "max_steps": t.steps,
+            "best_step": best[0] if best else None,
+        }
 
     def _train_loop(self, stop_after: int | None) -> tuple[int, str]:
         """Steps from ``start_step`` to ``train.steps``; returns the last step and the status."""
@@ -336,6 +353,9 @@ class Trainer:
                     self.logger.log(step, "test", self.evaluate(step).as_flat_dict())
                 if cfg.train.valid_every and (step % cfg.train.valid_every == 0 or step == total):
                     self.selection.validate(step, self.logger, self._extra(step))
+                    if step != total and self.selection.should_stop_early():
+                        self._note_early_stop(step)
+                        break  # status stays "completed": the final evaluation runs at this step
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != total:
                     self.save(step)
                 if stop_after is not None and step >= stop_after:
@@ -346,6 +366,20 @@ class Trainer:
             it.close()
             bar.close()
         return step, status
+
+    def _note_early_stop(self, step: int) -> None:
+        self.early_stopped = True
+        best = self.selection.best
+        msg = (
+            f"early stop at step {step} of {self.cfg.train.steps}: validation NE "
+            f"[{self.cfg.train.select_task}] has not improved for {self.selection.since_best} evaluations "
+            f"(train.early_stop_patience = {self.cfg.train.early_stop_patience}); best step "
+            f"{best[0] if best else None}, NE {best[1] if best else float('nan'):.4f}"
+        )
+        row = {"best_step": float(best[0] if best else -1), "since_best": float(self.selection.since_best)}
+        self.logger.log(step, "early_stop", row)
+        if self.dist.is_main:
+            print(f"gem-train: {msg}", file=sys.stderr)
 
     def _train_stream(self, step: int) -> Any:
         """This rank's training batches from ``step`` on: the loader, or its balanced batches."""

@@ -143,6 +143,9 @@ class TrainerConfig:
     valid_every: int = 0
     valid_batches: int = 0  # 0: the whole validation split
     select_task: str = "ctr"  # the task whose validation NE selects; "mean": the mean NE over all tasks
+    # Early stopping: end the run after this many validation evaluations in a row without a new best
+    # (the best checkpoint is then evaluated on the test split as usual); 0: off. Needs valid_every > 0.
+    early_stop_patience: int = 0
     autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     nan_policy: Literal["stop", "skip"] = "stop"
     max_skipped_batches: int = 10  # with nan_policy="skip": stop after this many non-finite losses
@@ -153,8 +156,16 @@ class TrainerConfig:
     def validate(self, key: str = "train") -> None:
         _int_in(f"{key}.steps", self.steps, 1)
         _int_in(f"{key}.log_every", self.log_every, 1)
-        for name in ("eval_every", "eval_batches", "valid_every", "valid_batches", "max_skipped_batches"):
+        for name in (
+            "eval_every", "eval_batches", "valid_every", "valid_batches", "max_skipped_batches",
+            "early_stop_patience",
+        ):  # fmt: skip
             _int_in(f"{key}.{name}", getattr(self, name), 0)
+        if self.early_stop_patience and not self.valid_every:
+            raise ConfigError(
+                f"{key}.early_stop_patience = {self.early_stop_patience} counts validation evaluations: "
+                f"it needs {key}.valid_every > 0 (or set it to 0)"
+            )
         if not self.select_task:
             raise ConfigError(f"{key}.select_task must name a task (e.g. 'ctr') or be 'mean'")
         _real(f"{key}.peak_flops", self.peak_flops, 0.0)

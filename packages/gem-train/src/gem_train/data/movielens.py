@@ -8,7 +8,9 @@ files with a typed header (``user_id:token  item_id:token  rating:float  timesta
 The task: every rating event is a candidate impression (the movie is the "ad"), label ``ctr`` =
 ``rating >= like_threshold``; the user's earlier events, oldest first, are the history (item ids, ratings as
 action ids 1..5, timestamps), truncated to the most recent ``max_len``. Events are ordered by
-(timestamp, item id) per user. Three splits, by time within each user:
+(timestamp, item id) per user; the history of an event holds only the user's events with a strictly
+earlier timestamp (ML-100K users rate several movies in the same second: those are not "earlier").
+Three splits, by time within each user:
 
 - ``"test"`` (the test split): the last ``eval_fraction`` of each user's events (at least one);
 - ``"valid"`` (the validation split, for model selection): the ``valid_fraction`` of the user's events just
@@ -21,7 +23,8 @@ or test event holds all the user's earlier events (known at request time: for a 
 the user's validation events), never the event itself or later ones.
 
 Features (only from the past or from static attributes, so nothing leaks the label):
-- sparse: ``user_id``, ``user_gender``, ``user_age``, ``user_occupation``, ``ad_id`` (the movie),
+- sparse: ``user_id``, ``user_gender``, ``user_age``, ``user_occupation``, ``user_zip`` (the first digit of
+  the zip code, the US postal region; 10 for a non-numeric code), ``ad_id`` (the movie),
   ``ad_genres`` (multi-hot, up to 6), ``ad_year`` (release-year bucket);
 - dense (8): age, release year, log training popularity of the movie, log history length, mean and
   like-rate of the history's ratings, log hours since the previous event, history like-rate of the movie's
@@ -75,6 +78,7 @@ _FILES = ("ml-100k.inter", "ml-100k.user", "ml-100k.item")
 _N_DENSE = 8
 _MAX_GENRES = 6
 _N_YEAR_BUCKETS = 16
+_N_ZIP = 11  # first digit of a US zip code (0-9), 10 for anything else (e.g. Canadian codes)
 _AGE_BUCKETS = (18, 25, 35, 45, 50, 56)  # the ML-1M convention, applied to ML-100K's exact ages
 
 
@@ -253,6 +257,7 @@ class MovieLensEvents:
     user_gender: np.ndarray  # [num_users] 0/1
     user_occupation: np.ndarray  # [num_users]
     num_occupations: int
+    user_zip: np.ndarray  # [num_users] first digit of the zip code, 10 = not a digit
     item_year: np.ndarray  # [num_items], 0 = unknown
     item_genres: list[list[int]]  # [num_items] genre ids
     num_genres: int
@@ -275,6 +280,7 @@ def read_movielens_100k(directory: str | Path, max_users: int = 0) -> MovieLensE
     age = np.zeros(num_users, np.int64)
     gender = np.zeros(num_users, np.int64)
     occ = np.zeros(num_users, np.int64)
+    zip_region = np.full(num_users, _N_ZIP - 1, np.int64)
     occ_vocab: dict[str, int] = {}
     for (ln, f), u in zip(users, uids):
         age[u] = _int(p, ln, "age", f[1], 1, 120)
@@ -282,6 +288,8 @@ def read_movielens_100k(directory: str | Path, max_users: int = 0) -> MovieLensE
             raise MovieLensFormatError(f"{p}: record {ln}: gender {f[2]!r} is not M or F")
         gender[u] = f[2] == "F"
         occ[u] = occ_vocab.setdefault(f[3], len(occ_vocab))
+        z = f[4].strip()[:1]
+        zip_region[u] = int(z) if z.isascii() and z.isdigit() else _N_ZIP - 1
 
     p = d / "ml-100k.item"
     iids = _unique_ids(p, items, "item_id")
@@ -314,8 +322,8 @@ def read_movielens_100k(directory: str | Path, max_users: int = 0) -> MovieLensE
     return MovieLensEvents(
         user=arr[:, 0].copy(), item=arr[:, 1].copy(), rating=arr[:, 2].copy(), timestamp=arr[:, 3].copy(),
         user_start=user_start, num_users=num_users, num_items=num_items, user_age=age, user_gender=gender,
-        user_occupation=occ, num_occupations=max(len(occ_vocab), 1), item_year=year, item_genres=genres,
-        num_genres=max(len(genre_vocab), 1),
+        user_occupation=occ, user_zip=zip_region, num_occupations=max(len(occ_vocab), 1), item_year=year,
+        item_genres=genres, num_genres=max(len(genre_vocab), 1),
     )  # fmt: skip
 
 
@@ -351,6 +359,10 @@ class MovieLens100K:
         is_eval = pos >= count - n_eval
         is_valid = ~is_eval & (pos >= count - n_eval - n_valid)
         self.pos = pos
+        # Where each event's history ends (exclusive, a position in its user's order): the user's first
+        # event at the same timestamp, so no event at the candidate's second (or later) is in its history.
+        key = ev.user * (_MAX_TIMESTAMP + 1) + ev.timestamp  # sorted: events are by (user, time, item)
+        self.hist_end = np.searchsorted(key, key, side="left") - ev.user_start[ev.user]
         self.train_rows = np.flatnonzero(~is_eval & ~is_valid)
         self.valid_rows = np.flatnonzero(is_valid)
         self.eval_rows = np.flatnonzero(is_eval)
@@ -365,6 +377,7 @@ class MovieLens100K:
                 SparseFeature("user_gender", 2),
                 SparseFeature("user_age", len(_AGE_BUCKETS) + 1),
                 SparseFeature("user_occupation", ev.num_occupations),
+                SparseFeature("user_zip", _N_ZIP),
                 SparseFeature("ad_id", ev.num_items),
                 SparseFeature("ad_genres", ev.num_genres, max_ids=_MAX_GENRES),
                 SparseFeature("ad_year", _N_YEAR_BUCKETS),
@@ -411,7 +424,7 @@ class MovieLens100K:
         ev, b = self.ev, len(rows)
         u, it = ev.user[rows], ev.item[rows]
         start = ev.user_start[u]
-        pos = self.pos[rows]
+        pos = self.hist_end[rows]
         lo = np.maximum(0, pos - self.cfg.max_len)
         lengths = (pos - lo).astype(np.int64)
         offsets = np.concatenate(([0], np.cumsum(lengths)))
@@ -463,11 +476,14 @@ class MovieLens100K:
         ones = np.ones(b, np.int64)
         t = torch.from_numpy
         genre_ids = np.fromiter((x for g in genres for x in g), np.int64, int(n_gen.sum()))
-        values = [u, ev.user_gender[u], age_bucket, ev.user_occupation[u], it, genre_ids, year_bucket]
+        values = [
+            u, ev.user_gender[u], age_bucket, ev.user_occupation[u], ev.user_zip[u], it, genre_ids,
+            year_bucket,
+        ]  # fmt: skip
         sparse = KeyedJaggedTensor(
             keys=self.spec.sparse_names,
             values=t(np.concatenate(values).astype(np.int64)),
-            lengths=t(np.concatenate([ones, ones, ones, ones, ones, n_gen, ones])),
+            lengths=t(np.concatenate([ones, ones, ones, ones, ones, ones, n_gen, ones])),
             stride=b,
         )
         history = JaggedSequence(

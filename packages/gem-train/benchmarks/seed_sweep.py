@@ -1,0 +1,146 @@
+"""Seed sweep: GEM, the MLP baseline and the GBDT baseline on one dataset, each selected on validation.
+
+For every seed, GEM (``--config``, default ``movielens``) and the MLP baseline (the same config with
+``model.arch = "mlp"``) train with ``run.seed = <seed>``; the checkpoint of the lowest validation NE is
+evaluated on the test split (the config's early stopping, if any, applies). The GBDT baseline
+(:mod:`gem_train.gbdt`, its grid point and trees chosen on validation) runs on the same seed's batches.
+Prints mean ± std of test NE / AUC per model, each seed's relative NE gain of GEM over GBDT, writes
+``<out>/seed_sweep.json`` (every number) and ``<out>/seed_sweep.png``.
+
+    uv run --no-sync python packages/gem-train/benchmarks/seed_sweep.py --seeds 0 1 2 3 4 --out runs/sweep
+    uv run --no-sync python packages/gem-train/benchmarks/seed_sweep.py --models gbdt mlp --seeds 0 1
+    ... --gem model.overrides.dropout=0.1 --all train.steps=600     # overrides: GEM only / every torch model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MODELS = ("gem", "mlp", "gbdt")
+
+
+def _torch_run(config: str, overrides: list[str], out: Path) -> dict[str, Any]:
+    from gem_train.config import load_config
+    from gem_train.trainer import Trainer
+
+    cfg = load_config(config, [*overrides, f"run.out_dir={out}", "train.progress_bar=false"])
+    if not cfg.train.valid_every:
+        raise SystemExit("seed_sweep: the config must select on validation (train.valid_every > 0)")
+    t0 = time.perf_counter()
+    res = Trainer(cfg).fit()
+    chosen = res.best_eval or res.final_eval
+    assert chosen is not None, f"run {res.run_dir} ended with status {res.status}"
+    task = cfg.train.select_task if cfg.train.select_task in chosen.tasks else next(iter(chosen.tasks))
+    m = chosen.tasks[task]
+    return {
+        "ne": m.ne, "auc": m.auc, "best_step": res.best_step, "last_step": res.step,
+        "early_stopped": res.early_stopped, "valid_ne": res.best_valid_ne,
+        "seconds": time.perf_counter() - t0, "run_dir": str(res.run_dir),
+    }  # fmt: skip
+
+
+def _gbdt_run(config: str, overrides: list[str]) -> dict[str, Any]:
+    from gem_train.config import load_config
+    from gem_train.gbdt import run_gbdt
+    from gem_train.run import build_source
+
+    cfg = load_config(config, overrides)
+    res = run_gbdt(cfg, build_source(cfg))
+    task = cfg.train.select_task if cfg.train.select_task in res.test else next(iter(res.test))
+    m = res.test[task]
+    return {"ne": m.ne, "auc": m.auc, "valid_ne": res.valid[task].ne, "params": res.params[task],
+            "seconds": res.seconds}  # fmt: skip
+
+
+def _plot(results: dict[str, dict[int, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m for m in MODELS if results.get(m)]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, key, label in ((axes[0], "ne", "test NE (lower is better)"), (axes[1], "auc", "test AUC")):
+        for i, m in enumerate(models):
+            vals = np.array([r[key] for r in results[m].values()])
+            ax.bar(i, vals.mean(), yerr=vals.std(ddof=1) if len(vals) > 1 else 0.0, capsize=4, alpha=0.7)
+            ax.scatter(np.full(len(vals), i), vals, color="k", s=10, zorder=3)
+        ax.set_xticks(range(len(models)), models)
+        ax.set_ylabel(label)
+        lo = min(r[key] for m in models for r in results[m].values())
+        hi = max(r[key] for m in models for r in results[m].values())
+        ax.set_ylim(lo - 0.02, hi + 0.02)
+    seeds = sorted({s for m in models for s in results[m]})
+    fig.suptitle(f"selected on validation, seeds {seeds} (mean ± std, dots: seeds)")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _mean_std(vals: list[float]) -> str:
+    a = np.array(vals)
+    return f"{a.mean():.4f} ± {a.std(ddof=1) if len(a) > 1 else math.nan:.4f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="movielens")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--out", type=Path, default=Path("runs/seed_sweep"))
+    p.add_argument("--all", nargs="*", default=[], help="overrides for every model (key=value)")
+    p.add_argument("--gem", nargs="*", default=[], help="overrides for GEM only")
+    p.add_argument("--mlp", nargs="*", default=[], help="overrides for the MLP only")
+    args = p.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)  # a shared CPU: one thread per process (see RunConfig.cpu_threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[int, dict[str, Any]]] = {m: {} for m in args.models}
+    summary_path = args.out / "seed_sweep.json"
+    for seed in args.seeds:
+        common = [*args.all, f"run.seed={seed}"]
+        for m in args.models:
+            if m == "gem":
+                r = _torch_run(args.config, [*common, *args.gem], args.out)
+            elif m == "mlp":
+                r = _torch_run(args.config, ["model.arch=mlp", *common, *args.mlp], args.out)
+            else:
+                r = _gbdt_run(args.config, common)
+            results[m][seed] = r
+            print(
+                f"seed {seed} {m}: test NE {r['ne']:.4f} AUC {r['auc']:.4f} ({r['seconds']:.0f} s)",
+                flush=True,
+            )
+            tmp = summary_path.with_suffix(".json.tmp")
+            tmp.write_text(
+                json.dumps({"config": args.config, "results": results}, indent=2), encoding="utf-8"
+            )
+            os.replace(tmp, summary_path)  # after every run: a partial sweep is still readable
+    print("\n| model | seeds | test NE | test AUC |\n|---|---|---|---|")
+    for m in args.models:
+        rs = results[m]
+        print(f"| {m} | {len(rs)} | {_mean_std([r['ne'] for r in rs.values()])} | "
+              f"{_mean_std([r['auc'] for r in rs.values()])} |")  # fmt: skip
+    if results.get("gem") and results.get("gbdt"):
+        gains = {s: 1 - results["gem"][s]["ne"] / results["gbdt"][s]["ne"] for s in results["gem"]}
+        print("GEM vs GBDT, relative NE gain per seed: "
+              + ", ".join(f"{s}: {100 * g:+.2f}%" for s, g in gains.items()))  # fmt: skip
+    _plot(results, args.out / "seed_sweep.png")
+    print(f"wrote {summary_path} and {args.out / 'seed_sweep.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
