@@ -61,7 +61,6 @@ def _tuned(kernel: str, fn: Any) -> Any:
 _fwd_tuned = _tuned("fwd", _fwd_persistent_kernel)
 _dq_tuned = _tuned("dq", _dq_persistent_kernel)
 _dkdv_tuned = _tuned("dkdv", _dkdv_persistent_kernel)
-_allocator_set = False
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -110,10 +109,9 @@ def _run(name: str, tuned: Any, raw: Any, outer: torch.Tensor, inner: torch.Tens
             *tail_args[8:])
     grid = _grid(sched.capacity * heads, outer.device)
     if consts["USE_TMA"] and not triton_interpreted():
-        global _allocator_set
-        if not _allocator_set:
-            triton.set_allocator(_scratch)
-            _allocator_set = True
+        # Every launch: triton.set_allocator sets a ContextVar, so a one-time set in the forward's thread
+        # does not reach the autograd engine's backward thread (H200: "no allocator was set").
+        triton.set_allocator(_scratch)
     launches[(name, "tma" if consts["USE_TMA"] else "pointer")] += 1
     if blocks is None:
         tuned[grid](*args, **consts)
