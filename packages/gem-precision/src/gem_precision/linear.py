@@ -14,9 +14,11 @@ from gem_precision.mx import MXTensor, mx_mm, random_hadamard, to_mx
 from gem_precision.recipe import Recipe
 from gem_precision.rowwise import fp8_rowwise_dgrad_wgrad, fp8_rowwise_mm
 
-# fp8_rowwise backward: both GEMMs in one op that reads dy once for its two FP8 copies (False: two
-# fp8_rowwise_mm calls, the previous path; benchmarks compare them).
-FUSED_BACKWARD = True
+# fp8_rowwise backward: True = both GEMMs in one op that quantizes dy's two FP8 copies in one pass
+# (fp8_rowwise_dgrad_wgrad); False = two fp8_rowwise_mm calls. False by default: on the H200 (2026-12-03,
+# bench_fp8_quant.py, 180,001 tokens) the one pass took 0.80-0.96x the time of the row-wise plus the tiled
+# column-wise quantizer run apart (0.360 vs 0.346 ms at 512 columns, 1.332 vs 1.071 ms at 2,048).
+FUSED_BACKWARD = False
 
 # MX operands memoized per GEMM call: by tensor name (square tiles) or by (name, K axis).
 MXCache = dict[str | tuple[str, int], MXTensor]
