@@ -9,6 +9,7 @@ Prints mean ± std of test NE / AUC per model, each seed's relative NE gain of G
 
     uv run --no-sync python packages/gem-train/benchmarks/seed_sweep.py --seeds 0 1 2 3 4 --out runs/sweep
     uv run --no-sync python packages/gem-train/benchmarks/seed_sweep.py --models gbdt mlp --seeds 0 1
+    ... --seeds 3 --out runs/s3 --no-plot; ... --merge runs/s*/seed_sweep.json --out runs/sweep  # in parallel
     ... --gem model.overrides.dropout=0.1 --all train.steps=600     # overrides: GEM only / every torch model
 """
 
@@ -101,7 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--all", nargs="*", default=[], help="overrides for every model (key=value)")
     p.add_argument("--gem", nargs="*", default=[], help="overrides for GEM only")
     p.add_argument("--mlp", nargs="*", default=[], help="overrides for the MLP only")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG (no matplotlib needed)")
+    p.add_argument(
+        "--merge", type=Path, nargs="+", default=[],
+        help="train nothing: merge these seed_sweep.json files (e.g. one per seed, run in parallel)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.merge:
+        return _merge(args.merge, args.out, plot=not args.no_plot)
 
     import torch
 
@@ -128,18 +136,47 @@ def main(argv: list[str] | None = None) -> int:
                 json.dumps({"config": args.config, "results": results}, indent=2), encoding="utf-8"
             )
             os.replace(tmp, summary_path)  # after every run: a partial sweep is still readable
-    print("\n| model | seeds | test NE | test AUC |\n|---|---|---|---|")
-    for m in args.models:
+    _report(results, args.out, plot=not args.no_plot)
+    return 0
+
+
+def _merge(paths: list[Path], out: Path, plot: bool) -> int:
+    """Union of several sweeps' results (a seed in two files: the later file wins), reported as one."""
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    configs = set()
+    for path in paths:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        configs.add(doc["config"])
+        for m, by_seed in doc["results"].items():
+            results.setdefault(m, {}).update({int(s): r for s, r in by_seed.items()})
+    if len(configs) != 1:
+        raise SystemExit(f"seed_sweep --merge: the files come from different configs {sorted(configs)}")
+    out.mkdir(parents=True, exist_ok=True)
+    summary_path = out / "seed_sweep.json"
+    tmp = summary_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"config": configs.pop(), "results": results}, indent=2), encoding="utf-8")
+    os.replace(tmp, summary_path)
+    _report(results, out, plot=plot)
+    return 0
+
+
+def _report(results: dict[str, dict[int, dict[str, Any]]], out: Path, plot: bool) -> None:
+    """Print mean ± std per model (validation NE too: what selects a variant) and GEM's gain over the
+    GBDT per seed; write the PNG."""
+    print("\n| model | seeds | valid NE | test NE | test AUC |\n|---|---|---|---|---|")
+    for m in [m for m in MODELS if results.get(m)]:
         rs = results[m]
-        print(f"| {m} | {len(rs)} | {_mean_std([r['ne'] for r in rs.values()])} | "
+        print(f"| {m} | {len(rs)} | {_mean_std([r['valid_ne'] for r in rs.values()])} | "
+              f"{_mean_std([r['ne'] for r in rs.values()])} | "
               f"{_mean_std([r['auc'] for r in rs.values()])} |")  # fmt: skip
     if results.get("gem") and results.get("gbdt"):
-        gains = {s: 1 - results["gem"][s]["ne"] / results["gbdt"][s]["ne"] for s in results["gem"]}
+        both = sorted(set(results["gem"]) & set(results["gbdt"]))
+        gains = {s: 1 - results["gem"][s]["ne"] / results["gbdt"][s]["ne"] for s in both}
         print("GEM vs GBDT, relative NE gain per seed: "
               + ", ".join(f"{s}: {100 * g:+.2f}%" for s, g in gains.items()))  # fmt: skip
-    _plot(results, args.out / "seed_sweep.png")
-    print(f"wrote {summary_path} and {args.out / 'seed_sweep.png'}")
-    return 0
+    if plot:
+        _plot(results, out / "seed_sweep.png")
+    print(f"wrote {out / 'seed_sweep.json'}" + (f" and {out / 'seed_sweep.png'}" if plot else ""))
 
 
 if __name__ == "__main__":

@@ -164,7 +164,15 @@ def test_hsdp_ep_2d_balanced_matches_one_process_resumes_exactly_and_on_other_wo
     assert r0["resumed_losses"] == r0["full_losses"][STOP:]
 
     # 3. Distributed evaluation (4 ranks' shares gathered) = single-process evaluation.
-    single = _eval_plain(_cfg(tmp_path / "eval1"), Path(r0["eval_ckpt"]))
+    # One thread, as on the ranks: CPU GEMMs round differently with another thread count (measured: a
+    # tiny-cpu forward's logit sum differs at 1e-7 between 1 and 2 threads). What is left is float64
+    # summation order in the metrics (rank-major gather vs batch order): ~1e-16, hence rel=abs=1e-12.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = _eval_plain(_cfg(tmp_path / "eval1"), Path(r0["eval_ckpt"]))
+    finally:
+        torch.set_num_threads(threads)
     assert single.keys() == r0["eval"].keys() and single["ctr/count"] == 100
     for k, v in single.items():
         assert r0["eval"][k] == pytest.approx(v, rel=1e-12, abs=1e-12), k

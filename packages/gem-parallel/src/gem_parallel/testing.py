@@ -2,7 +2,8 @@
 
 Each rank is a fresh ``python -m gem_parallel.testing`` subprocess (no fork of a process that already holds
 torch threads; no pickling of test functions). The target is named by file and function, so test modules
-work whatever pytest's import mode. Every rank joins a gloo process group with ``timeout_s`` as its
+work whatever pytest's import mode. Every rank joins a gloo process group (its rendezvous store held by
+the parent, so a rank that fails at once cannot break another's start-up) with ``timeout_s`` as its
 collective timeout; the parent kills every rank still running at the deadline. Results come back through
 ``torch.save``/``torch.load(weights_only=True)`` files, so a rank returns tensors, numbers, strings and plain
 containers of them.
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["DistributedRunError", "RankFailure", "free_port", "run_distributed"]
 
@@ -101,7 +103,14 @@ def run_distributed(
     with tempfile.TemporaryDirectory(prefix="gem-dist-") as tmp:
         tmpdir = Path(tmp)
         torch.save(kwargs or {}, tmpdir / "kwargs.pt")
-        port = free_port()
+        # The rendezvous store lives here, not on rank 0: a rank 0 that fails at once (a bad config) must
+        # not take the store down while another rank is still joining (that rank would report a
+        # DistNetworkError instead of its own error).
+        store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s + 60.0),
+        )  # fmt: skip
+        port = store.port
         child_env = {
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
@@ -188,18 +197,15 @@ def _worker_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     out = Path(a.dir)
-    import torch.distributed as dist
-
     torch.set_num_threads(a.threads)
     try:
         fn = _load_function(a.file, a.func)
         kwargs = torch.load(out / "kwargs.pt", weights_only=True)
-        dist.init_process_group(
-            "gloo",
-            rank=a.rank,
-            world_size=a.world_size,
-            timeout=datetime.timedelta(seconds=a.timeout_s),
+        timeout = datetime.timedelta(seconds=a.timeout_s)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
         )
+        dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world_size, timeout=timeout)
         result = fn(a.rank, a.world_size, **kwargs)
         torch.save(result, out / f"result_{a.rank}.pt")
     except BaseException as e:  # report any failure (also KeyboardInterrupt) to the parent

@@ -137,9 +137,11 @@ def evaluate_model(
 
     def forward(lb: LoadedBatch) -> np.ndarray:
         batch, n = lb.batch, lb.batch.batch_size
-        if dist_info.world_size > 1 and n < cfg.data.eval_batch_size:
-            # TorchRec-sharded tables need the same batch size on every rank (on the CPU): pad the short
-            # last batch with copies of its first example; their predictions are dropped.
+        if n < cfg.data.eval_batch_size:
+            # Pad the short last batch with copies of its first example (their predictions are dropped):
+            # TorchRec-sharded tables need the same batch size on every rank, and with every forward of the
+            # same shape the predictions do not depend on the world size (a GEMM of fewer rows may round
+            # differently on some CPUs).
             batch = batch.select(list(range(n)) + [0] * (cfg.data.eval_batch_size - n))
         with ctx:
             logits = model(batch.to(device, non_blocking=True))
