@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gem_train.checkpoint import best_checkpoint, read_trainer_state
 from gem_train.evaluation import EvalResult
-from gem_train.logger import read_metrics
+from gem_train.logger import MetricsLogger, read_metrics
 from gem_train.plots import plot_curves, plot_reliability
 from gem_train.run_dir import RunDir
 
-__all__ = ["write_final"]
+if TYPE_CHECKING:
+    from gem_train.selection import BestSelection
+
+__all__ = ["final_evaluation", "write_final"]
 
 
 def write_final(
@@ -54,3 +58,39 @@ def write_final(
     tmp.replace(run.eval_summary)  # never a half-written eval.json
     plot_curves(read_metrics(run.metrics), run.plots, tasks)
     plot_reliability(ev.predictions, run.plots / "reliability.png")
+
+
+def final_evaluation(
+    step: int,
+    evaluate: Callable[[], EvalResult],
+    evaluate_best: Callable[[], EvalResult | None],
+    selection: BestSelection,
+    logger: MetricsLogger,
+    run: RunDir,
+    tasks: tuple[str, ...],
+    last_checkpoint: Path | None,
+    select_task: str,
+    early_stop: dict[str, Any] | None,
+    is_main: bool,
+) -> tuple[EvalResult, EvalResult | None]:
+    """The test split of the final model (``evaluate``) and of the best-validation checkpoint
+    (``evaluate_best``, when ``selection`` has one), logged at ``step``; eval.json and plots (rank 0)."""
+    final_eval = evaluate()
+    logger.log(step, "test", final_eval.as_flat_dict())
+    best_eval = None
+    if selection.best is not None:
+        # The selected checkpoint, loaded back from disk (also when it is the last step: this checks
+        # that checkpoints/best loads), on the test split.
+        best_eval = evaluate_best()
+        if best_eval is not None:
+            row = best_eval.as_flat_dict()
+            row["best_step"] = best_eval.step
+            logger.log(step, "best_test", row)
+    if is_main:
+        best = selection.best
+        write_final(
+            run, tasks, final_eval, last_checkpoint, select_task,
+            best_eval, best[1] if best else None,
+            early_stop=early_stop,
+        )  # fmt: skip
+    return final_eval, best_eval

@@ -18,9 +18,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gem_train.checkpoint import latest_checkpoint
+import torch.distributed as dist
 
-__all__ = ["RunDir", "create_run_dir", "resolve_resume"]
+from gem_train.checkpoint import latest_checkpoint
+from gem_train.config import TrainConfig, config_to_dict, dumps_toml
+from gem_train.distributed import DistInfo
+
+__all__ = ["RunDir", "create_run_dir", "resolve_resume", "shared_run_dir"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +98,19 @@ def resolve_resume(resume: str | Path, name: str, out_dir: str | Path) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     return path
+
+
+def shared_run_dir(cfg: TrainConfig, resume_from: Path | None, d: DistInfo) -> RunDir:
+    """The run directory of every rank: rank 0 creates it (or reuses the resumed run's, the one holding
+    checkpoint ``resume_from``), makes its folders and writes config.toml; every rank learns the path."""
+    root: list[str | None] = [str(resume_from.parent.parent)] if resume_from else [None]
+    if d.is_main and root[0] is None:
+        root[0] = str(create_run_dir(cfg.run.out_dir, cfg.run.name).root)
+    if d.world_size > 1:
+        dist.broadcast_object_list(root, src=0)
+    assert root[0] is not None  # set on rank 0, then broadcast
+    run = RunDir(Path(root[0]))
+    if d.is_main:
+        run.make()
+        run.config.write_text(dumps_toml(config_to_dict(cfg)), encoding="utf-8")
+    return run

@@ -15,6 +15,7 @@ checkpoint.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,6 +110,36 @@ class BestSelection:
         """Whether ``train.early_stop_patience`` validations in a row brought no new best (False when off)."""
         patience = self.run.cfg.train.early_stop_patience
         return bool(patience) and self.since_best >= patience
+
+    def early_stop_summary(self, stopped: bool, step: int) -> dict[str, Any] | None:
+        """eval.json's ``early_stop`` entry of a run that ended at ``step`` (``stopped``: by early stopping);
+        None when ``train.early_stop_patience`` is off."""
+        t = self.run.cfg.train
+        if not t.early_stop_patience:
+            return None
+        best = self.best
+        return {
+            "patience": t.early_stop_patience,
+            "stopped": stopped,
+            "step": step,
+            "max_steps": t.steps,
+            "best_step": best[0] if best else None,
+        }
+
+    def note_early_stop(self, step: int, logger: MetricsLogger, is_main: bool) -> None:
+        """Log (``early_stop`` row) and, on rank 0, print that early stopping ends the run at ``step``."""
+        t = self.run.cfg.train
+        best = self.best
+        msg = (
+            f"early stop at step {step} of {t.steps}: validation NE "
+            f"[{t.select_task}] has not improved for {self.since_best} evaluations "
+            f"(train.early_stop_patience = {t.early_stop_patience}); best step "
+            f"{best[0] if best else None}, NE {best[1] if best else float('nan'):.4f}"
+        )
+        row = {"best_step": float(best[0] if best else -1), "since_best": float(self.since_best)}
+        logger.log(step, "early_stop", row)
+        if is_main:
+            print(f"gem-train: {msg}", file=sys.stderr)
 
     def evaluate_best(
         self, should_stop: Callable[[], bool] | None = None, checkpoints: Path | None = None

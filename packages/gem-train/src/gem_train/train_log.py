@@ -7,15 +7,20 @@ computed twice, and keeps its sums on the device: no host sync per step.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from gem_model import GemBatch
+from gem_train.distributed import all_gather_object, peak_memory_gib
+from gem_train.logger import MetricsLogger
 from gem_train.metrics import binary_entropy
 
-__all__ = ["TrainWindow"]
+if TYPE_CHECKING:
+    from gem_train.run import Run
+
+__all__ = ["TrainWindow", "log_train"]
 
 
 class TrainWindow:
@@ -71,3 +76,20 @@ class TrainWindow:
         if self.device.type == "cuda":
             row["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return row
+
+
+def log_train(step: int, w: TrainWindow, bar: Any, logger: MetricsLogger, r: Run) -> None:
+    """Log window ``w`` as the ``train`` row of ``step`` (with every rank's peak memory; every rank calls)
+    and show its throughput, loss, first task's NE and MFU on the progress bar ``bar`` (a tqdm)."""
+    if r.device.type == "cuda":
+        torch.cuda.synchronize(r.device)
+    opt = r.dense_opt
+    row = w.row(r.dist.world_size, opt.param_groups[0]["lr"] if opt else 0.0, r.peak_flops)
+    for rank, gib in enumerate(all_gather_object(peak_memory_gib(r.device), r.dist.world_size)):
+        row[f"memory_gib/rank{rank}"] = gib  # peak allocated (GPU) or peak RSS (CPU) of each rank
+    logger.log(step, "train", row)
+    post = {"ex/s": f"{row['examples_per_s']:,.0f}", "loss": f"{row['loss']:.4f}",
+            f"NE[{w.tasks[0]}]": f"{row[f'{w.tasks[0]}/ne']:.4f}"}  # fmt: skip
+    if "mfu" in row:
+        post["MFU"] = f"{100 * row['mfu']:.1f}%"
+    bar.set_postfix(post, refresh=False)

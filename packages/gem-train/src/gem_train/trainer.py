@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from gem_train.checkpoint import best_checkpoint, load_checkpoint, wait_for_checkpoints
@@ -33,30 +32,25 @@ from gem_train.checkpoint_keeper import (
     data_stream_state,
     reshard_note,
 )
-from gem_train.config import TrainConfig, config_to_dict, dumps_toml
+from gem_train.config import TrainConfig, config_to_dict
 from gem_train.data.balance import BalancedTrainStream
-from gem_train.data.balance_state import BalancerPosition
-from gem_train.data.global_balance import GlobalBalancedStream
-from gem_train.data.loader import make_train_loader
+from gem_train.data.balance_state import BalancerPosition, balancer_extra, resume_balancer
 from gem_train.data.split import HeldOutSplit
-from gem_train.distributed import all_gather_object, peak_memory_gib
 from gem_train.evaluation import EvalResult, EvaluationInterrupted, evaluate_model
 from gem_train.logger import MetricsLogger, truncate_metrics
+from gem_train.non_finite import NonFiniteLossError, handle_non_finite
 from gem_train.prefetch import DevicePrefetcher
-from gem_train.report import write_final
+from gem_train.report import final_evaluation
 from gem_train.run import Run, build_run
-from gem_train.run_dir import RunDir, create_run_dir, resolve_resume
+from gem_train.run_dir import resolve_resume, shared_run_dir
 from gem_train.selection import BestSelection
 from gem_train.signals import StopNow, StopSignals
-from gem_train.train_log import TrainWindow
+from gem_train.train_log import TrainWindow, log_train
+from gem_train.train_stream import train_stream
 
 __all__ = ["NonFiniteLossError", "StopNow", "TrainResult", "Trainer"]
 
 HOST_AHEAD = 2  # training batches a host thread holds ready on CUDA (received from the workers, pinned)
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss (or the dense gradient norm) became NaN/Inf; the message names the step."""
 
 
 @dataclass
@@ -89,16 +83,7 @@ class Trainer:
         self.dist, self.device, self.tasks = self.setup.dist, self.setup.device, self.setup.tasks
 
         # The run directory: rank 0 creates it (or reuses the resumed run's), everyone learns the path.
-        root: list[str | None] = [str(resume_from.parent.parent)] if resume_from else [None]
-        if self.dist.is_main and root[0] is None:
-            root[0] = str(create_run_dir(cfg.run.out_dir, cfg.run.name).root)
-        if self.dist.world_size > 1:
-            dist.broadcast_object_list(root, src=0)
-        assert root[0] is not None  # set on rank 0, then broadcast
-        self.run = RunDir(Path(root[0]))
-        if self.dist.is_main:
-            self.run.make()
-            self.run.config.write_text(dumps_toml(config_to_dict(cfg)), encoding="utf-8")
+        self.run = shared_run_dir(cfg, resume_from, self.dist)
         self.logger = MetricsLogger(self.run.metrics, self.run.tensorboard, enabled=self.dist.is_main)
 
         self.start_step = 0
@@ -116,7 +101,7 @@ class Trainer:
             self.skipped = int(state.get("skipped_batches", 0))
             self.data_offset = data_position(state)
             resharded = bool(state["resharded"])
-            self._resume_balancer(state)
+            resume_balancer(self.balancer, state, cfg, self.dist)
             if self.dist.is_main:
                 truncate_metrics(self.run.metrics, self.start_step)
             if resharded and self.dist.is_main:
@@ -157,22 +142,6 @@ class Trainer:
 
     # -- checkpoints and evaluation -------------------------------------------------------------------------
 
-    def _resume_balancer(self, state: dict[str, Any]) -> None:
-        saved = state.get("balancer")
-        if self.cfg.parallel.balancer != "base_batch_shuffling" or not saved:
-            return  # a checkpoint without a balancer state starts a fresh balanced stream at its position
-        d = self.dist
-        note = self.balancer.resume(saved, d.rank, d.world_size, self.cfg.data.batch_size)
-        if note and d.is_main:
-            print(f"gem-train: {note}", file=sys.stderr)
-
-    def _balancer_extra(self) -> dict[str, Any]:
-        if self.cfg.parallel.balancer != "base_batch_shuffling":
-            return {}
-        ranks = all_gather_object(self.balancer.state, self.dist.world_size)  # every rank calls _extra
-        saved = self.balancer.saved(ranks, self.dist.world_size, self.cfg.data.batch_size, self.data_offset)
-        return {"balancer": saved}
-
     def global_batches(self, step: int) -> int:
         """Global batches of the training stream consumed after ``step`` steps."""
         return self.data_offset + (step - self.start_step) * self.dist.world_size
@@ -185,7 +154,7 @@ class Trainer:
             "skipped_batches": self.skipped,
             "saved_at": _dt.datetime.now(_dt.UTC).isoformat(),
             **data_stream_state(self.setup.source, self.dist.world_size, self.cfg.data.num_workers),
-            **self._balancer_extra(),
+            **balancer_extra(self.balancer, self.cfg, self.dist, self.data_offset),
         }
 
     def save(self, step: int) -> Path:
@@ -267,38 +236,14 @@ class Trainer:
 
     def _final_evaluation(self, step: int) -> tuple[EvalResult, EvalResult | None]:
         """The test split of the final model and of the best-validation checkpoint; eval.json and plots."""
-        final_eval = self.evaluate(step, should_stop=self._should_stop)
-        self.logger.log(step, "test", final_eval.as_flat_dict())
-        best_eval = None
-        if self.selection.best is not None:
-            # The selected checkpoint, loaded back from disk (also when it is the last step: this checks
-            # that checkpoints/best loads), on the test split.
-            best_eval = self.evaluate_best(should_stop=self._should_stop)
-            if best_eval is not None:
-                row = best_eval.as_flat_dict()
-                row["best_step"] = best_eval.step
-                self.logger.log(step, "best_test", row)
-        if self.dist.is_main:
-            best = self.selection.best
-            write_final(
-                self.run, self.tasks, final_eval, self.last_checkpoint, self.cfg.train.select_task,
-                best_eval, best[1] if best else None,
-                early_stop=self._early_stop_summary(step),
-            )  # fmt: skip
-        return final_eval, best_eval
-
-    def _early_stop_summary(self, step: int) -> dict[str, Any] | None:
-        t = self.cfg.train
-        if not t.early_stop_patience:
-            return None
-        best = self.selection.best
-        return {
-            "patience": t.early_stop_patience,
-            "stopped": self.early_stopped,
-            "step": step,
-            "max_steps": t.steps,
-            "best_step": best[0] if best else None,
-        }
+        return final_evaluation(
+            step,
+            lambda: self.evaluate(step, should_stop=self._should_stop),
+            lambda: self.evaluate_best(should_stop=self._should_stop),
+            self.selection, self.logger, self.run, self.tasks, self.last_checkpoint,
+            self.cfg.train.select_task, self.selection.early_stop_summary(self.early_stopped, step),
+            self.dist.is_main,
+        )  # fmt: skip
 
     def _train_loop(self, stop_after: int | None) -> tuple[int, str]:
         """Steps from ``start_step`` to ``train.steps``; returns the last step and the status."""
@@ -314,9 +259,9 @@ class Trainer:
             desc=cfg.run.name,
             file=sys.stderr,
         )
-        loader = self._train_stream(step)
-        window = TrainWindow(self.tasks, self.device)
         cuda = self.device.type == "cuda"
+        loader = train_stream(cfg, r.source, d, cuda, self.balancer, self.global_batches(step))
+        window = TrainWindow(self.tasks, self.device)
         count_flops = r.built.flops if cuda else None
         # Batches pinned by the loader, copied one step ahead on a side stream (gem_train.prefetch). On
         # CUDA a host thread also receives them from the loader's workers (tens of ms per base-h200 batch)
@@ -340,21 +285,25 @@ class Trainer:
                 if not out.finite:
                     bad_loss = not math.isfinite(out.loss)
                     what = f"loss {out.loss}" if bad_loss else f"dense grad norm {out.grad_norm}"
-                    self._handle_non_finite(step, what)  # raises, or skips this batch
+                    # Raises, or skips this batch (and counts it).
+                    self.skipped = handle_non_finite(
+                        step, what, self.skipped, cfg.train, self.checkpoints, d.is_main
+                    )
                     continue
                 self.checkpoints.confirm()  # this finite step was computed from the newest checkpoint
                 self.losses.append(out.loss)
                 window.add(out.per_task, batch, out.loss)
 
                 if step % cfg.train.log_every == 0 or step == total:
-                    self._log_train(step, window, bar)
+                    log_train(step, window, bar, self.logger, r)
                     window.reset()
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != total:
                     self.logger.log(step, "test", self.evaluate(step).as_flat_dict())
                 if cfg.train.valid_every and (step % cfg.train.valid_every == 0 or step == total):
                     self.selection.validate(step, self.logger, self._extra(step))
                     if step != total and self.selection.should_stop_early():
-                        self._note_early_stop(step)
+                        self.early_stopped = True
+                        self.selection.note_early_stop(step, self.logger, d.is_main)
                         break  # status stays "completed": the final evaluation runs at this step
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != total:
                     self.save(step)
@@ -366,69 +315,3 @@ class Trainer:
             it.close()
             bar.close()
         return step, status
-
-    def _note_early_stop(self, step: int) -> None:
-        self.early_stopped = True
-        best = self.selection.best
-        msg = (
-            f"early stop at step {step} of {self.cfg.train.steps}: validation NE "
-            f"[{self.cfg.train.select_task}] has not improved for {self.selection.since_best} evaluations "
-            f"(train.early_stop_patience = {self.cfg.train.early_stop_patience}); best step "
-            f"{best[0] if best else None}, NE {best[1] if best else float('nan'):.4f}"
-        )
-        row = {"best_step": float(best[0] if best else -1), "since_best": float(self.selection.since_best)}
-        self.logger.log(step, "early_stop", row)
-        if self.dist.is_main:
-            print(f"gem-train: {msg}", file=sys.stderr)
-
-    def _train_stream(self, step: int) -> Any:
-        """This rank's training batches from ``step`` on: the loader, or its balanced batches."""
-        cfg, d = self.cfg, self.dist
-        pin = self.device.type == "cuda"
-        if cfg.parallel.balancer != "base_batch_shuffling":
-            global_ = cfg.parallel.balancer == "global" and d.world_size > 1
-            loader = make_train_loader(
-                self.setup.source, cfg.data.batch_size, position=self.global_batches(step), rank=d.rank,
-                world_size=d.world_size, num_workers=cfg.data.num_workers, pin_memory=pin and not global_,
-            )  # fmt: skip
-            # "global": the same stream, each step's samples rebalanced across the ranks (no state).
-            return GlobalBalancedStream(loader, pin=pin) if global_ else loader
-        return self.balancer.stream(
-            self.setup.source, rank=d.rank, world=d.world_size, batch_size=cfg.data.batch_size,
-            seed=cfg.run.seed, base=self.global_batches(step), num_workers=cfg.data.num_workers, pin=pin,
-        )  # fmt: skip
-
-    def _handle_non_finite(self, step: int, what: str) -> None:
-        if self.cfg.train.nan_policy == "skip":
-            self.skipped += 1
-            if self.dist.is_main:
-                print(f"gem-train: non-finite {what} at step {step}: batch skipped", file=sys.stderr)
-            if self.skipped <= self.cfg.train.max_skipped_batches:
-                return
-            why = (
-                f"more than train.max_skipped_batches = {self.cfg.train.max_skipped_batches} batches skipped"
-            )
-        else:
-            why = "training stopped (train.nan_policy = 'stop')"
-        aside = self.checkpoints.set_aside_unconfirmed()
-        ck = self.checkpoints.last_good
-        keep = (
-            f"the last good checkpoint is {ck} (resume with: gem-train train --resume {ck})"
-            if ck
-            else "no good checkpoint was written yet"
-        )
-        raise NonFiniteLossError(f"non-finite {what} at step {step}: {why}; {keep}{aside}")
-
-    def _log_train(self, step: int, w: TrainWindow, bar: Any) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        opt = self.setup.dense_opt
-        row = w.row(self.dist.world_size, opt.param_groups[0]["lr"] if opt else 0.0, self.setup.peak_flops)
-        for r, gib in enumerate(all_gather_object(peak_memory_gib(self.device), self.dist.world_size)):
-            row[f"memory_gib/rank{r}"] = gib  # peak allocated (GPU) or peak RSS (CPU) of each rank
-        self.logger.log(step, "train", row)
-        post = {"ex/s": f"{row['examples_per_s']:,.0f}", "loss": f"{row['loss']:.4f}",
-                f"NE[{self.tasks[0]}]": f"{row[f'{self.tasks[0]}/ne']:.4f}"}  # fmt: skip
-        if "mfu" in row:
-            post["MFU"] = f"{100 * row['mfu']:.1f}%"
-        bar.set_postfix(post, refresh=False)

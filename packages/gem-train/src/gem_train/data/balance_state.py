@@ -9,13 +9,15 @@ world size: :func:`gem_train.data.balance.reshard_balancer` lays the unread samp
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-from gem_train.config import ConfigError
+from gem_train.config import ConfigError, TrainConfig
 from gem_train.data.balance import BalancedTrainStream, Sample, balanced_stream, reshard_balancer
+from gem_train.distributed import DistInfo, all_gather_object
 
-__all__ = ["BalancerPosition"]
+__all__ = ["BalancerPosition", "balancer_extra", "resume_balancer"]
 
 
 @dataclass
@@ -73,3 +75,23 @@ class BalancerPosition:
         if self.state is not None:
             stream.load_state_dict(self.state)
         return stream
+
+
+def resume_balancer(position: BalancerPosition, state: dict[str, Any], cfg: TrainConfig, d: DistInfo) -> None:
+    """Continue ``position`` from a checkpoint's ``state`` (with ``parallel.balancer =
+    "base_batch_shuffling"``); rank 0 says how the stream continues when the world size changed."""
+    saved = state.get("balancer")
+    if cfg.parallel.balancer != "base_batch_shuffling" or not saved:
+        return  # a checkpoint without a balancer state starts a fresh balanced stream at its position
+    note = position.resume(saved, d.rank, d.world_size, cfg.data.batch_size)
+    if note and d.is_main:
+        print(f"gem-train: {note}", file=sys.stderr)
+
+
+def balancer_extra(position: BalancerPosition, cfg: TrainConfig, d: DistInfo, base: int) -> dict[str, Any]:
+    """The checkpoint's ``{"balancer": ...}`` entry (empty unless ``parallel.balancer`` is
+    "base_batch_shuffling"); ``base``: the stream's position if not begun. Every rank calls it."""
+    if cfg.parallel.balancer != "base_batch_shuffling":
+        return {}
+    ranks = all_gather_object(position.state, d.world_size)  # every rank saves (Trainer._extra)
+    return {"balancer": position.saved(ranks, d.world_size, cfg.data.batch_size, base)}
