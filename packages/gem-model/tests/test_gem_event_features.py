@@ -117,7 +117,11 @@ def test_record_stream_skips_missing_features():
 
 def _config(n_features: int) -> gm.GemConfig:
     return dataclasses.replace(
-        gm.get_config("tiny"), features=_spec(n_features), embedding_dim=8, n_layers=1, attention="full",
+        gm.get_config("tiny"),
+        features=_spec(n_features),
+        embedding_dim=8,
+        n_layers=1,
+        attention="full",
         n_experts=1,
     )
 

@@ -17,7 +17,10 @@ def _spec() -> FeatureSpec:
     return FeatureSpec(
         n_dense=2,
         sparse=(SparseFeature("user", 40), SparseFeature("tags", 9, max_ids=3)),
-        sequences=(SequenceFeature("hist", 50, 4, 24, num_event_features=3), SequenceFeature("ads", 20, 2, 8)),
+        sequences=(
+            SequenceFeature("hist", 50, 4, 24, num_event_features=3),
+            SequenceFeature("ads", 20, 2, 8),
+        ),
     )
 
 
