@@ -142,7 +142,7 @@ class InputEncoder(nn.Module):
                         f"sequence {s.name!r}: the spec has {s.num_event_features} event features "
                         "but the batch carries none"
                     )
-                proj = self.event_proj[s.name]
+                proj = cast(nn.Linear, self.event_proj[s.name])
                 tok = tok + proj(seq.event_features.to(proj.weight.dtype)).to(tok.dtype)
             tok = self.seq_proj(tok) if self.seq_proj is not None else tok
             owner = torch.repeat_interleave(
