@@ -266,7 +266,7 @@ def _features(b):
     h = b.sequences["history"]
     return (
         b.dense, b.sparse.values(), b.sparse.lengths(), b.request_time, h.offsets, h.item_ids,
-        h.action_ids, h.timestamps,
+        h.action_ids, h.timestamps, h.event_features,
     )  # fmt: skip
 
 
@@ -280,6 +280,8 @@ def test_no_event_at_or_after_the_candidate_reaches_its_features(tmp_path):
     cfg = MovieLensConfig(max_len=4, eval_fraction=0.2, valid_fraction=0.2)
     ev = read_movielens_100k(tmp_path)
     ds = MovieLens100K(cfg, events=ev)
+    # Genres: Animation, Comedy (item 1), Action (2), Drama (3): distinct rows per item.
+    assert ev.num_genres == 4 and ds.spec.sequences[0].num_event_features == 4
     assert ev.user_zip[1:].tolist() == [8, 10]  # first digit; a non-numeric code is bucket 10
     everything = np.arange(len(ev.user))
     b = ds.make_batch(everything)
@@ -292,6 +294,11 @@ def test_no_event_at_or_after_the_candidate_reaches_its_features(tmp_path):
         assert h.timestamps[got].tolist() == ev.timestamp[same].tolist()
         assert h.item_ids[got].tolist() == ev.item[same].tolist()
         assert h.action_ids[got].tolist() == ev.rating[same].tolist()
+        # Each history event's genre row: the genres of that event's own movie, not the candidate's.
+        hot = np.zeros((len(same), ev.num_genres), np.float32)
+        for k, item in enumerate(ev.item[same]):
+            hot[k, ev.item_genres[item]] = 1.0
+        assert np.array_equal(h.event_features[got].numpy(), hot), r
     # Perturbation: change every rating at or after a candidate's time (the candidate's own included, so
     # also its label); none of the candidate's features may change. Popularity counts events, not ratings.
     for r in everything:
@@ -300,5 +307,22 @@ def test_no_event_at_or_after_the_candidate_reaches_its_features(tmp_path):
         ev2.rating[late] = 6 - ev2.rating[late]
         ds2 = MovieLens100K(cfg, events=ev2)
         one, two = ds.make_batch(np.array([r])), ds2.make_batch(np.array([r]))
-        for x, y in zip(_features(one), _features(two)):
+        for x, y in zip(_features(one), _features(two), strict=True):
             assert torch.equal(x, y), r
+
+
+def test_history_genres_off_gives_the_plain_history(tmp_path):
+    rows = [f"1\t{1 + k % 3}\t{1 + k % 5}\t{10 * k}\n" for k in range(6)]
+    _write(tmp_path, rows)
+    ev = read_movielens_100k(tmp_path)
+    on = MovieLens100K(MovieLensConfig(max_len=4), events=ev)
+    off = MovieLens100K(MovieLensConfig(max_len=4, history_genres=False), events=ev)
+    assert off.spec.sequences[0].num_event_features == 0
+    everything = np.arange(len(ev.user))
+    a, b = on.make_batch(everything), off.make_batch(everything)
+    b.validate(off.spec)
+    assert b.sequences["history"].event_features is None
+    assert a.sequences["history"].event_features is not None
+    # Every other feature is the same with or without the history's genres.
+    for x, y in zip(_features(a)[:-1], _features(b)[:-1], strict=True):
+        assert torch.equal(x, y)

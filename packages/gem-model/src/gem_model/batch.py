@@ -56,6 +56,21 @@ def _check_offsets(field: str, offsets: Tensor, batch_size: int, total: int) -> 
     return lengths
 
 
+def _check_event_features(field: str, features: Tensor | None, total: int, n_features: int) -> None:
+    """Checks a sequence's ``[total, F]`` float32 finite event features (None iff ``F == 0``)."""
+    if n_features == 0:
+        if features is not None:
+            raise _err(field, "must be None: the spec's num_event_features is 0")
+        return
+    if not isinstance(features, Tensor) or tuple(features.shape) != (total, n_features):
+        got = list(features.shape) if isinstance(features, Tensor) else type(features).__name__
+        raise _err(field, f"expected shape [{total}, {n_features}] (total, num_event_features), got {got}")
+    if features.dtype != torch.float32:
+        raise _err(field, f"must be float32, got {features.dtype}")
+    if not bool(torch.isfinite(features).all()):
+        raise _err(field, "holds NaN or inf")
+
+
 @dataclass
 class JaggedSequence:
     """One behaviour sequence for a batch of B users, oldest event first.
@@ -66,6 +81,10 @@ class JaggedSequence:
         item_ids: ``[total]`` int64 item ids.
         action_ids: ``[total]`` int64 action-type ids.
         timestamps: ``[total]`` int64 seconds, non-decreasing within a sequence.
+        event_features: ``[total, F]`` float32 dense side features of each event (row ``i`` belongs to
+            event ``i``), ``F = SequenceFeature.num_event_features``; None when F == 0. E.g. the multi-hot
+            genre vector of each history item: the model projects it with a bias-free Linear, which is the
+            sum-pooled embedding bag of the active columns as one dense matmul (no sharded table).
     """
 
     offsets: Tensor
@@ -73,6 +92,7 @@ class JaggedSequence:
     item_ids: Tensor
     action_ids: Tensor
     timestamps: Tensor
+    event_features: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -96,6 +116,9 @@ class JaggedSequence:
             item_ids=self.item_ids.to(device, non_blocking=non_blocking),
             action_ids=self.action_ids.to(device, non_blocking=non_blocking),
             timestamps=self.timestamps.to(device, non_blocking=non_blocking),
+            event_features=None
+            if self.event_features is None
+            else self.event_features.to(device, non_blocking=non_blocking),
         )
 
     def select(self, indices: Tensor) -> JaggedSequence:
@@ -107,13 +130,19 @@ class JaggedSequence:
             int(offsets[-1]), device=lengths.device
         )
         return JaggedSequence(
-            offsets, self.max_len, self.item_ids[rows], self.action_ids[rows], self.timestamps[rows]
+            offsets,
+            self.max_len,
+            self.item_ids[rows],
+            self.action_ids[rows],
+            self.timestamps[rows],
+            None if self.event_features is None else self.event_features[rows],
         )
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """Marks every tensor as used on ``stream`` (for batches copied on a side stream)."""
-        for t in (self.offsets, self.item_ids, self.action_ids, self.timestamps):
-            t.record_stream(stream)
+        for t in (self.offsets, self.item_ids, self.action_ids, self.timestamps, self.event_features):
+            if t is not None:
+                t.record_stream(stream)
 
     def pin_memory(self) -> JaggedSequence:
         return JaggedSequence(
@@ -122,6 +151,7 @@ class JaggedSequence:
             item_ids=self.item_ids.pin_memory(),
             action_ids=self.action_ids.pin_memory(),
             timestamps=self.timestamps.pin_memory(),
+            event_features=None if self.event_features is None else self.event_features.pin_memory(),
         )
 
 
@@ -287,6 +317,7 @@ class GemBatch:
                 t = getattr(seq, name)
                 if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype != torch.int64 or t.numel() != total:
                     raise _err(f"{field}.{name}", f"must be a 1-D int64 tensor of {total} rows (as item_ids)")
+            _check_event_features(f"{field}.event_features", seq.event_features, total, s.num_event_features)
             lengths = _check_offsets(f"{field}.offsets", seq.offsets, b, total)
             longest = int(lengths.max()) if b else 0
             if not isinstance(seq.max_len, int) or seq.max_len < longest:

@@ -53,12 +53,18 @@ class SequenceFeature:
         num_items: item-id vocabulary size.
         num_actions: action-type vocabulary size (e.g. click/view/buy, or a rating 1..5).
         max_len: longest history the model accepts; data generators keep the most recent events.
+        num_event_features: F, the width of the optional per-event dense side features
+            (``JaggedSequence.event_features`` ``[total, F]`` float32; 0 = none). The model adds
+            ``Linear(F, E, bias=False)(event_features)`` to each event's item + action embedding. A
+            multi-hot row (e.g. the event item's genres) times that weight is exactly a sum-pooled
+            embedding bag of the active ids, computed as a small dense matmul that needs no sharding.
     """
 
     name: str
     num_items: int
     num_actions: int
     max_len: int
+    num_event_features: int = 0
 
     def __post_init__(self) -> None:
         _check_name("SequenceFeature", self.name)
@@ -67,6 +73,11 @@ class SequenceFeature:
                 raise ValueError(
                     f"SequenceFeature {self.name!r}: {field} must be >= 1, got {getattr(self, field)}"
                 )
+        if not isinstance(self.num_event_features, int) or self.num_event_features < 0:
+            raise ValueError(
+                f"SequenceFeature {self.name!r}: num_event_features must be an int >= 0, "
+                f"got {self.num_event_features!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,9 @@ def flops_by_block(config: GemConfig, batch: GemBatch) -> dict[str, int]:
             led.mm("input", b * len(cfg.features.sparse), e, d)
         led.mm("input", total, e, d)
     led.mm("input", total, N_TIME_FEATURES, d, input_grad=False)
+    for s, ls in zip(cfg.features.sequences, per_seq, strict=True):
+        if s.num_event_features:  # event side features [n, F] x [F, E] (no grad to the input)
+            led.mm("input", sum(ls), s.num_event_features, e, input_grad=False)
 
     n, n_ss = cfg.n_tokens, cfg.n_seq_summary_tokens
     n_in, n_fm, k = n + n_ss, cfg.fm_tokens, cfg.wukong_rank

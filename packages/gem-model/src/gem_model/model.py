@@ -15,6 +15,7 @@ concatenation (InterFormer merges sequences too); every event keeps its own temp
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from typing import cast
 
@@ -79,6 +80,17 @@ class InputEncoder(nn.Module):
         self.sparse_proj = nn.Linear(e, d, bias=False, device=device) if e != d else None
         self.seq_proj = nn.Linear(e, d, bias=False, device=device) if e != d else None
         self.time_proj = nn.Linear(N_TIME_FEATURES, d, device=device)
+        # Per-event dense side features [total, F] -> [total, E], added to item + action: for a multi-hot
+        # row this is the sum-pooled embedding bag of its active ids (a dense matmul, not a sharded
+        # table). Only sequences with F > 0 get one, so specs without event features keep their state
+        # dict (and checkpoints) unchanged.
+        self.event_proj = nn.ModuleDict(
+            {
+                s.name: nn.Linear(s.num_event_features, e, bias=False, device=device)
+                for s in config.features.sequences
+                if s.num_event_features
+            }
+        )
         n_seq = len(config.features.sequences)
         self.seq_type = nn.Parameter(torch.empty(n_seq, d, device=device)) if n_seq > 1 else None
         self.token_norm = nn.LayerNorm(d, eps=config.norm_eps, device=device)
@@ -92,6 +104,10 @@ class InputEncoder(nn.Module):
         for linear in (self.dense, self.sparse_proj, self.seq_proj, self.time_proj):
             if linear is not None:
                 init_linear(linear)
+        for proj in self.event_proj.values():
+            # std 1/sqrt(E) per weight, as an embedding row (GemEmbeddings): a genre column then
+            # contributes what one id of a sum-pooled bag would.
+            init_linear(cast(nn.Linear, proj), std=1.0 / math.sqrt(self.config.embedding_dim))
         if self.seq_type is not None:
             nn.init.trunc_normal_(self.seq_type, std=0.02)
         self.token_norm.reset_parameters()
@@ -120,6 +136,14 @@ class InputEncoder(nn.Module):
             seq = batch.sequences[s.name]
             item, action = embedded[s.name]
             tok = item + action
+            if s.num_event_features:
+                if seq.event_features is None:
+                    raise ValueError(
+                        f"sequence {s.name!r}: the spec has {s.num_event_features} event features "
+                        "but the batch carries none"
+                    )
+                proj = cast(nn.Linear, self.event_proj[s.name])
+                tok = tok + proj(seq.event_features.to(proj.weight.dtype)).to(tok.dtype)
             tok = self.seq_proj(tok) if self.seq_proj is not None else tok
             owner = torch.repeat_interleave(
                 torch.arange(batch.batch_size, device=seq.offsets.device),

@@ -119,6 +119,10 @@ def random_batch(
             item_ids=_skewed_ids(total, s.num_items, g),
             action_ids=torch.randint(0, s.num_actions, (total,), generator=g),
             timestamps=timestamps,
+            # Drawn only when F > 0, so specs without event features keep their random stream.
+            event_features=torch.bernoulli(torch.full((total, s.num_event_features), 0.2), generator=g)
+            if s.num_event_features
+            else None,
         )
 
     # Labels the model can learn: a dense feature, a user x ad id match and the latest action all matter.

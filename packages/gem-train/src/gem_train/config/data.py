@@ -74,6 +74,9 @@ class MovieLensConfig:
     valid_fraction: float = 0.1
     like_threshold: int = 4  # label = rating >= like_threshold
     max_users: int = 0  # 0: all users; >0 keeps the first users (tests use a small slice)
+    # Each history event carries its movie's multi-hot genres (JaggedSequence.event_features); false: the
+    # history has item, rating and time only (the behaviour before the feature existed).
+    history_genres: bool = True
 
     def validate(self, key: str = "data.movielens") -> None:
         _int_in(f"{key}.max_len", self.max_len, 1)
@@ -88,6 +91,8 @@ class MovieLensConfig:
         # Ratings are 1..5: a threshold of 1 makes every label positive, above 5 every label negative.
         _int_in(f"{key}.like_threshold", self.like_threshold, 2, 5)
         _int_in(f"{key}.max_users", self.max_users, 0)
+        if not isinstance(self.history_genres, bool):
+            raise ConfigError(f"{key}.history_genres must be a bool, got {self.history_genres!r}")
 
 
 @dataclass

@@ -61,7 +61,17 @@ def _concat_seq(seqs: list[JaggedSequence]) -> JaggedSequence:
         torch.cat([s.item_ids for s in seqs]),
         torch.cat([s.action_ids for s in seqs]),
         torch.cat([s.timestamps for s in seqs]),
+        _concat_event_features(seqs),
     )
+
+
+def _concat_event_features(seqs: list[JaggedSequence]) -> Tensor | None:
+    feats = [s.event_features for s in seqs]
+    if all(f is None for f in feats):
+        return None
+    if any(f is None for f in feats):
+        raise ValueError("concat_batches: some sequences carry event_features and others do not")
+    return torch.cat([f for f in feats if f is not None])
 
 
 def concat_batches(batches: list[GemBatch]) -> GemBatch:

@@ -34,7 +34,12 @@ def _seq(bal: Any, plan: Any, s: JaggedSequence, max_len: int) -> JaggedSequence
     values = torch.stack([s.item_ids, s.action_ids, s.timestamps], dim=1)
     got, lengths = bal.exchange_jagged(plan, values, s.lengths)
     offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
-    return JaggedSequence(offsets, max_len, got[:, 0].clone(), got[:, 1].clone(), got[:, 2].clone())
+    features = None
+    if s.event_features is not None:
+        # Float [total, F] rows: a second exchange of the same plan and lengths, so row i still belongs to
+        # event i (every rank has them or none: they follow the shared spec).
+        features, _ = bal.exchange_jagged(plan, s.event_features, s.lengths)
+    return JaggedSequence(offsets, max_len, got[:, 0].clone(), got[:, 1].clone(), got[:, 2].clone(), features)
 
 
 def exchange_batch(bal: Any, plan: Any, batch: GemBatch) -> GemBatch:

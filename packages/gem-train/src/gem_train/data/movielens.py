@@ -7,7 +7,8 @@ files with a typed header (``user_id:token  item_id:token  rating:float  timesta
 
 The task: every rating event is a candidate impression (the movie is the "ad"), label ``ctr`` =
 ``rating >= like_threshold``; the user's earlier events, oldest first, are the history (item ids, ratings as
-action ids 1..5, timestamps), truncated to the most recent ``max_len``. Events are ordered by
+action ids 1..5, timestamps and, with ``history_genres``, the multi-hot genres of each history item),
+truncated to the most recent ``max_len``. Events are ordered by
 (timestamp, item id) per user; the history of an event holds only the user's events with a strictly
 earlier timestamp (ML-100K users rate several movies in the same second: those are not "earlier").
 Three splits, by time within each user:
@@ -26,6 +27,11 @@ Features (only from the past or from static attributes, so nothing leaks the lab
 - sparse: ``user_id``, ``user_gender``, ``user_age``, ``user_occupation``, ``user_zip`` (the first digit of
   the zip code, the US postal region; 10 for a non-numeric code), ``ad_id`` (the movie),
   ``ad_genres`` (multi-hot, up to 6), ``ad_year`` (release-year bucket);
+- history events (``history_genres``, the default): the genres of each history item as a multi-hot
+  ``[total, num_genres]`` float32 row (``JaggedSequence.event_features``; row ``i`` is the genres of
+  history event ``i``'s own movie, not the candidate's). The model's bias-free ``Linear(num_genres, E)`` of
+  a multi-hot row is the sum-pooled embedding bag of those genre ids: the same multi-hot genre feature
+  the candidate has, as a small dense matmul with no TorchRec table to shard;
 - dense (8): age, release year, log training popularity of the movie, log history length, mean and
   like-rate of the history's ratings, log hours since the previous event, history like-rate of the movie's
   genres.
@@ -370,6 +376,10 @@ class MovieLens100K:
         # Movie popularity from the training split only.
         self.item_pop = np.bincount(ev.item[self.train_rows], minlength=ev.num_items).astype(np.float64)
         self._perm_cache: tuple[int, np.ndarray] | None = None
+        # [num_items, num_genres] float32 multi-hot genres of every movie (the history's event features).
+        self.item_genre_hot = np.zeros((ev.num_items, ev.num_genres), np.float32)
+        for i, gs in enumerate(ev.item_genres):
+            self.item_genre_hot[i, gs] = 1.0
         self.spec = FeatureSpec(
             n_dense=_N_DENSE,
             sparse=(
@@ -382,7 +392,15 @@ class MovieLens100K:
                 SparseFeature("ad_genres", ev.num_genres, max_ids=_MAX_GENRES),
                 SparseFeature("ad_year", _N_YEAR_BUCKETS),
             ),
-            sequences=(SequenceFeature("history", ev.num_items, 6, cfg.max_len),),
+            sequences=(
+                SequenceFeature(
+                    "history",
+                    ev.num_items,
+                    6,
+                    cfg.max_len,
+                    num_event_features=ev.num_genres if cfg.history_genres else 0,
+                ),
+            ),
             tasks=("ctr",),
         )
 
@@ -492,6 +510,7 @@ class MovieLens100K:
             item_ids=t(h_items.astype(np.int64)),
             action_ids=t(h_rating.astype(np.int64)),
             timestamps=t(h_ts.astype(np.int64)),
+            event_features=t(self.item_genre_hot[h_items]) if self.cfg.history_genres else None,
         )
         return GemBatch(
             dense=t(dense),

@@ -52,6 +52,8 @@ def batch_to_table(batch: GemBatch, spec: FeatureSpec) -> pa.Table:
         else:
             cols[f.name] = _list(offsets, values)
     for s in spec.sequences:
+        if s.num_event_features:
+            raise ValueError(f"sequence {s.name!r}: event_features have no Parquet columns yet")
         seq = batch.sequences[s.name]
         off = seq.offsets.numpy()
         cols[f"{s.name}_items"] = _list(off, seq.item_ids.numpy())
@@ -154,6 +156,13 @@ def export_movielens(cfg: TrainConfig, out: str | Path, chunk: int = 4096) -> di
     """
     from gem_train.data.movielens import MovieLens100K
 
+    if cfg.data.movielens.history_genres:
+        # The Parquet schema has no per-event feature columns yet: refuse rather than write a copy that
+        # silently lacks the history's genres (the README's export command sets this flag).
+        raise ValueError(
+            "export movielens-100k: the Parquet format cannot carry the history's genres "
+            "(JaggedSequence.event_features); export with data.movielens.history_genres=false"
+        )
     ml = MovieLens100K(cfg.data.movielens, seed=cfg.run.seed)
 
     def chunks(rows: np.ndarray) -> Iterable[GemBatch]:
