@@ -143,7 +143,9 @@ def test_torch_ops_and_kernels_stay_apart(pkg):
 
 def test_checks_can_fail():
     """The checks above see a private import, a cycle and a TYPE_CHECKING-only import for what they are."""
-    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from a import b\nfrom c import _d\n")
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from a import b\nfrom c import _d\n"
+    )
     got = [n.module for n in _imports(tree)]
     assert got == ["typing", "c"]
     assert _private("_d") and not _private("__all__")
