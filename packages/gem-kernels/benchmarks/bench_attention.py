@@ -27,7 +27,7 @@ import triton.testing
 from common import copy_rate
 
 from gem_kernels import gdpa, jagged_flash_attention
-from gem_kernels.attention import reference
+from gem_kernels.torch_ops import attention_reference as reference
 
 H, D = 4, 128
 DTYPE = torch.bfloat16
@@ -346,8 +346,8 @@ def setup_case(name: str) -> dict:
 
 
 def run_ours(c: dict, copy_tbs: float, check_seqs: int, variant: str = "auto") -> dict:
-    from gem_kernels.attention import triton_attention as ta
-    from gem_kernels.attention import triton_persistent_launch as tp
+    from gem_kernels.triton_kernels import attention as ta
+    from gem_kernels.triton_kernels import attention_persistent_launch as tp
 
     fwd_flop = 4 * c["pairs"] * H * D
     row = {
@@ -461,7 +461,7 @@ def run(a) -> None:
             with open(a.json, "w") as f:
                 json.dump({"copy_tbs": copy_tbs, "rows": list(rows.values())}, f, indent=1)
 
-    from gem_kernels.attention.triton_attention import force_variant
+    from gem_kernels.triton_kernels.attention import force_variant
 
     variants = a.variants.split(",") if a.variants else [a.variant]
     key = (lambda n, v: n) if len(variants) == 1 else (lambda n, v: f"{n}@{v}")

@@ -15,7 +15,8 @@ import functools
 import torch
 from common import timeit
 
-from gem_kernels.attention import cpu, reference
+from gem_kernels.torch_ops import attention_cpu as cpu
+from gem_kernels.torch_ops import attention_reference as reference
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from common import add_batch_args, add_run_args, copy_rate, timeit, uniform_lengths, write_results
 
 import gem_kernels
-import gem_kernels.block_triton as bt
+import gem_kernels.triton_kernels.block as bt
 from gem_kernels import Rotary, block_attention
-from gem_kernels.block_reference import (
+from gem_kernels.torch_ops.block_reference import (
     block_attention_backward_reference,
     block_attention_reference,
     rotary_reference,

@@ -45,7 +45,7 @@ def _child(case: str, small: bool) -> dict:
 
     torch.set_num_threads(1)
     from gem_kernels import block_attention, gdpa, jagged_flash_attention, use_backend
-    from gem_kernels.attention import triton_attention as ta
+    from gem_kernels.triton_kernels import attention as ta
 
     op, dt = case.split("-")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]

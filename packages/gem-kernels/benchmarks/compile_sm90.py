@@ -19,7 +19,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from gem_kernels.attention import triton_bwd, triton_fwd, triton_persistent
+from gem_kernels.triton_kernels import attention_bwd as triton_bwd
+from gem_kernels.triton_kernels import attention_fwd as triton_fwd
+from gem_kernels.triton_kernels import attention_persistent as triton_persistent
 
 _BF16 = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV_"}
 _PTR32 = {"q_offsets", "kv_offsets", "tiles", "count", "counter"}
@@ -76,14 +78,14 @@ def report(label: str, fn: Any, consts: dict[str, Any]) -> None:
 
 def main() -> None:
     persistent = {
-        "fwd": (triton_persistent._fwd_persistent_kernel, 128, 64),
-        "dq": (triton_persistent._dq_persistent_kernel, 128, 64),
-        "dkdv": (triton_persistent._dkdv_persistent_kernel, 64, 128),
+        "fwd": (triton_persistent.fwd_persistent_kernel, 128, 64),
+        "dq": (triton_persistent.dq_persistent_kernel, 128, 64),
+        "dkdv": (triton_persistent.dkdv_persistent_kernel, 64, 128),
     }
     tiled = {
-        "fwd": (triton_fwd._fwd_kernel, 128, 64),
-        "dq": (triton_bwd._dq_kernel, 128, 64),
-        "dkdv": (triton_bwd._dkdv_kernel, 64, 128),
+        "fwd": (triton_fwd.fwd_kernel, 128, 64),
+        "dq": (triton_bwd.dq_kernel, 128, 64),
+        "dkdv": (triton_bwd.dkdv_kernel, 64, 128),
     }
     which = sys.argv[1:] or [*persistent, "tiled"]
     base = dict(D=128, DV=128, BLOCK_D=128, BLOCK_DV=128, PRECISION="tf32")

@@ -19,7 +19,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch
 
 from gem_kernels import gdpa, jagged_flash_attention, use_backend
-from gem_kernels.attention import triton_attention
+from gem_kernels.triton_kernels import attention as triton_attention
 
 ACTS = ("softmax", "silu", "gelu", "relu", "relu2", "identity")
 SELF_MASKS = {

@@ -17,7 +17,7 @@ import sys
 import torch
 from attention_interpreter_cases import SELF_LENGTHS, run_case  # raises SystemExit unless interpreted
 
-from gem_kernels.attention import triton_persistent_launch as tp
+from gem_kernels.triton_kernels import attention_persistent_launch as tp
 
 F32, F16 = torch.float32, torch.float16
 CROSS_Q, CROSS_KV = [40, 3, 0, 33], [5, 0, 9, 1]

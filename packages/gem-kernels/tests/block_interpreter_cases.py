@@ -32,9 +32,9 @@ LAUNCHES: dict[str, int] = {}
 def _count_launches() -> None:
     """Wrap the kernel entry points so each case can prove that the Triton path ran (the dispatcher
     imports them at call time, so patching the module attributes is enough)."""
-    import gem_kernels.block_triton as bt
-    import gem_kernels.jagged_triton as jt
-    import gem_kernels.rotary_triton as rt
+    import gem_kernels.triton_kernels.block as bt
+    import gem_kernels.triton_kernels.jagged as jt
+    import gem_kernels.triton_kernels.rotary as rt
 
     for module, name in ((bt, "block_attention_fwd"), (bt, "block_attention_bwd"), (rt, "rotary_triton"),
                          (jt, "jagged_to_padded_triton"), (jt, "padded_to_jagged_triton"),
@@ -112,7 +112,7 @@ def block_cases(results):
 
     # Many sequences (the binary search over 37 block starts), odd head dims, a block size that is not a
     # power of two, int64 offsets, and all three heads in one program (HEAD_GROUP).
-    import gem_kernels.block_triton as bt
+    import gem_kernels.triton_kernels.block as bt
 
     bt.HEAD_GROUP = 3
     lengths = torch.randint(0, 50, (37,)).tolist()

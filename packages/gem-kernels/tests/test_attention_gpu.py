@@ -78,7 +78,7 @@ def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, wind
     q, k, v = (torch.randn(sum(n), 4, d, device="cuda").to(dtype) for n in (lq, lk_, lk_))
     dout = torch.randn(sum(lq), 4, d, device="cuda").to(dtype)
 
-    from gem_kernels.attention.triton_attention import force_blocks, force_variant
+    from gem_kernels.triton_kernels.attention import force_blocks, force_variant
 
     strided = variant.startswith("strided-")
 

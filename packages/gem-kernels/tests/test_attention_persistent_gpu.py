@@ -63,8 +63,8 @@ FIXED = (64, 64)
     + [("tma", torch.bfloat16, None, *CASES[0]), ("tma", torch.bfloat16, None, *CASES[2])],
 )
 def test_persistent_matches_fp32_reference(variant, dtype, blocks, act, lq, lk, causal, window, d):
-    from gem_kernels.attention import triton_persistent_launch as tp
-    from gem_kernels.attention.triton_attention import force_blocks, force_variant
+    from gem_kernels.triton_kernels import attention_persistent_launch as tp
+    from gem_kernels.triton_kernels.attention import force_blocks, force_variant
 
     torch.manual_seed(0)
     lk_ = lq if lk is None else lk

@@ -278,7 +278,7 @@ def test_attention_candidates_by_shape_and_dtype_class(kernel: str) -> None:
     configs; key tiles no longer than the keys' bucket where one fits."""
     import torch
 
-    from gem_kernels.attention import triton_attention as ta
+    from gem_kernels.triton_kernels import attention as ta
 
     configs = {
         (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in ta._configs(kernel)
@@ -313,7 +313,7 @@ def test_attention_candidates_by_shape_and_dtype_class(kernel: str) -> None:
 def test_tune_candidates_one_compiles_the_first_pick_only(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from gem_kernels.attention import triton_attention as ta
+    from gem_kernels.triton_kernels import attention as ta
 
     monkeypatch.setattr(ta, "TUNE_CANDIDATES", 1)
     for kernel in ("fwd", "dq", "dkdv"):

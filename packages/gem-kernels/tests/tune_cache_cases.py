@@ -20,7 +20,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch
 
 from gem_kernels import gdpa, jagged_flash_attention, use_backend
-from gem_kernels.attention import triton_attention as ta
+from gem_kernels.triton_kernels import attention as ta
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

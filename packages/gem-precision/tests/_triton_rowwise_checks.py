@@ -13,9 +13,9 @@ import sys
 
 import torch
 
-from gem_precision import triton_rowwise
 from gem_precision.formats import E4M3, E5M2, ElemFormat
-from gem_precision.rowwise import quantize_rowwise_reference
+from gem_precision.torch_ops.rowwise_reference import quantize_rowwise_reference
+from gem_precision.triton_kernels import rowwise as triton_rowwise
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 FAILED: list[str] = []

@@ -3,10 +3,10 @@
 See the package README for the public API and the jagged-tensor conventions.
 """
 
-from gem_kernels._checks import set_debug
-from gem_kernels._dispatch import get_backend, use_backend
 from gem_kernels.attention import gdpa, jagged_flash_attention
 from gem_kernels.block import block_attention
+from gem_kernels.checks import set_debug
+from gem_kernels.dispatch import get_backend, use_backend
 from gem_kernels.jagged import (
     jagged_concat,
     jagged_last_k,

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from gem_kernels._checks import check_offsets, check_values
-from gem_kernels._dispatch import use_triton
-from gem_kernels.block_reference import rotary_reference
+from gem_kernels.checks import check_offsets, check_values
+from gem_kernels.dispatch import use_triton
+from gem_kernels.torch_ops.block_reference import rotary_reference
 
 __all__ = ["Rotary", "apply_rotary"]
 
@@ -62,7 +62,7 @@ def _apply_rotary_op(
     x: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor | None, base: float, inverse: bool
 ) -> torch.Tensor:
     if x.dtype != torch.float64 and use_triton(x):
-        from gem_kernels.rotary_triton import rotary_triton
+        from gem_kernels.triton_kernels.rotary import rotary_triton
 
         return rotary_triton(x, offsets, positions, base, inverse)
     return rotary_reference(x, offsets, positions, base, inverse)

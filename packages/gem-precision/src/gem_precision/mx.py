@@ -1,12 +1,12 @@
-"""MXTensor, ``to_mx`` and ``mx_mm``: the public MX API, dispatching to Triton on CUDA and PyTorch on CPU."""
+"""``to_mx`` and ``mx_mm``: the public MX API, dispatching (:mod:`gem_precision.dispatch`) to Triton on CUDA
+and PyTorch on CPU. :class:`MXTensor` lives in :mod:`gem_precision.mx_tensor` and is re-exported here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from gem_precision import reference
+from gem_precision.dispatch import BACKENDS, use_triton
 from gem_precision.formats import (
     BLOCK_SIZES,
     ROUNDINGS,
@@ -16,89 +16,13 @@ from gem_precision.formats import (
     elem_format,
     has_e8m0_dtype,
 )
+from gem_precision.mx_tensor import MXTensor
+from gem_precision.torch_ops import mx_reference
 
 # Block sizes the Triton kernels are compiled for; every path accepts only these.
 TRITON_BLOCK_SIZES = BLOCK_SIZES
-BACKENDS = ("auto", "triton", "reference")
 
-
-@dataclass
-class MXTensor:
-    """A tensor in an MX format: FP8 elements and one E8M0 scale per block.
-
-    Attributes:
-        data: FP8 (``float8_e4m3fn`` or ``float8_e5m2``) tensor of the original shape.
-        scale: uint8 E8M0 scales (``2**(b - 127)``, 255 = NaN). Shape: the original shape with the blocked
-            dimension divided by ``block_size`` (rounded up); with ``square``, both last two dimensions.
-        block_size: elements per block (per tile side with ``square``).
-        axis: the blocked dimension (non-negative). Square data is valid blocked along either of the last
-            two dimensions; ``axis`` then names the one it was requested for.
-        orig_dtype: dtype of the quantized tensor; the default of :meth:`dequantize`.
-        square: one scale per ``block_size x block_size`` tile of the last two dimensions.
-        hadamard: ``[block_size, block_size]`` fp32 orthogonal matrix applied to each block before
-            quantization (see :func:`random_hadamard`), or None.
-    """
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    block_size: int
-    axis: int
-    orig_dtype: torch.dtype
-    square: bool = False
-    hadamard: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    @property
-    def elem_dtype(self) -> torch.dtype:
-        return self.data.dtype
-
-    @property
-    def scale_e8m0(self) -> torch.Tensor:
-        """The scales viewed as ``torch.float8_e8m0fnu`` (needs torch >= 2.7; else raises)."""
-        if not has_e8m0_dtype():
-            raise RuntimeError("this torch has no torch.float8_e8m0fnu; use .scale (uint8 E8M0)")
-        return self.scale.view(torch.float8_e8m0fnu)
-
-    def blocked_along(self, dim: int) -> bool:
-        """Whether the data is valid MX data blocked along ``dim``."""
-        dim = dim % self.data.dim()
-        if self.square:
-            return dim >= self.data.dim() - 2
-        return dim == self.axis
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The values ``data * scale`` (Hadamard undone) in ``dtype`` (default: ``orig_dtype``)."""
-        dtype = dtype or self.orig_dtype
-        if self.data.is_cuda and self.data.dim() == 2 and self.hadamard is None and dtype.is_floating_point:
-            from gem_precision import triton_mx
-
-            return triton_mx.dequantize_triton(self, dtype)  # same bits: fp32 product, then the cast
-        out = reference.dequantize_reference(
-            self.data,
-            self.scale,
-            axis=self.axis,
-            block_size=self.block_size,
-            square=self.square,
-            hadamard=self.hadamard,
-        )
-        return out.to(dtype)
-
-    def t(self) -> MXTensor:
-        """The transpose of a 2-D MXTensor (a view: the data stays blocked along the same elements)."""
-        if self.data.dim() != 2:
-            raise ValueError(f"MXTensor.t() needs 2-D data, got shape {tuple(self.data.shape)}")
-        return MXTensor(
-            self.data.t(),
-            self.scale.t(),
-            self.block_size,
-            1 - self.axis,
-            self.orig_dtype,
-            self.square,
-            self.hadamard,
-        )
+__all__ = ["BACKENDS", "TRITON_BLOCK_SIZES", "MXTensor", "mx_mm", "random_hadamard", "to_mx"]
 
 
 def random_hadamard(
@@ -111,21 +35,20 @@ def random_hadamard(
     """
     gen = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (block_size,), generator=gen).to(torch.float32) * 2 - 1
-    return reference.hadamard_matrix(signs).to(device)
+    return mx_reference.hadamard_matrix(signs).to(device)
 
 
 def _use_triton(t: torch.Tensor, block_size: int, backend: str) -> bool:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference":
+    """:func:`gem_precision.dispatch.use_triton`, limited to the block sizes the kernels are compiled for."""
+    if not use_triton(t, backend):
         return False
-    if backend == "triton":
-        if block_size not in TRITON_BLOCK_SIZES:
+    if block_size not in TRITON_BLOCK_SIZES:
+        if backend == "triton":
             raise ValueError(
                 f"the Triton kernels support block_size in {TRITON_BLOCK_SIZES}, got {block_size}"
             )
-        return True
-    return t.is_cuda and block_size in TRITON_BLOCK_SIZES
+        return False
+    return True
 
 
 def to_mx(
@@ -194,7 +117,7 @@ def to_mx(
         hadamard = hadamard.to(device=x.device, dtype=torch.float32)
 
     if _use_triton(x, block_size, backend):
-        from gem_precision import triton_mx
+        from gem_precision.triton_kernels import mx as triton_mx
 
         seed = None
         if rounding == "stochastic":
@@ -204,7 +127,7 @@ def to_mx(
             square=square, hadamard=hadamard,
         )  # fmt: skip
     else:
-        data, scale = reference.to_mx_reference(
+        data, scale = mx_reference.to_mx_reference(
             x, axis=axis, block_size=block_size, fmt=fmt, scale_mode=scale_mode, rounding=rounding,
             square=square, hadamard=hadamard, generator=generator,
         )  # fmt: skip
@@ -257,10 +180,10 @@ def mx_mm(
     """
     _check_mm_operands(a, b)
     if _use_triton(a.data, a.block_size, backend):
-        from gem_precision import triton_mx
+        from gem_precision.triton_kernels import mx as triton_mx
 
         return triton_mx.mx_mm_triton(a, b, out_dtype=out_dtype)
-    return reference.mx_mm_reference(
+    return mx_reference.mx_mm_reference(
         a.data, a.scale, b.data, b.scale, block_size=a.block_size, a_square=a.square,
         b_square=b.square, out_dtype=out_dtype,
     )  # fmt: skip

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from gem_precision.dispatch import use_triton
 from gem_precision.formats import check_float_tensor, elem_format
-
-# Row maxima below this are treated as this, so all-zero rows get a finite scale.
-_AMAX_EPS = 1e-12
+from gem_precision.torch_ops.rowwise_reference import quantize_rowwise_reference
 
 FP8_ALIGN = 16  # torch._scaled_mm: K and N multiples of 16 (16-byte rows of FP8 for the tensor cores)
 # A GEMM with fewer rows (M) or a shorter sum (K) than this gains nothing from FP8 (it is all quantization
@@ -33,26 +32,6 @@ def rowwise_fallback(m: int, k: int, n: int) -> str | None:
     if m < MIN_FP8_DIM or k < MIN_FP8_DIM:
         return f"M={m} or K={k} is below {MIN_FP8_DIM}"
     return None
-
-
-def quantize_rowwise_reference(
-    x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e4m3fn
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize each row of ``x [R, C]`` to FP8 with an fp32 scale ``amax / max_elem``.
-
-    Returns:
-        ``(data [R, C] elem_dtype, scale [R, 1] fp32)`` with ``x ~= data * scale``. Non-finite values
-        propagate as NaN (the scale becomes NaN or inf).
-    """
-    fmt = elem_format(elem_dtype)
-    xf = x.to(torch.float32)
-    if xf.shape[1] == 0:
-        amax = xf.new_full((xf.shape[0], 1), _AMAX_EPS)
-    else:
-        amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=_AMAX_EPS)
-    scale = amax / fmt.max_value
-    data = (xf / scale).clamp(-fmt.max_value, fmt.max_value).to(elem_dtype)
-    return data, scale
 
 
 def quantize_rowwise(
@@ -77,8 +56,8 @@ def quantize_rowwise(
         raise ValueError(f"quantize_rowwise needs a 2-D tensor, got shape {tuple(x.shape)}")
     if k_multiple < 1:
         raise ValueError(f"quantize_rowwise: k_multiple must be >= 1, got {k_multiple}")
-    if x.is_cuda:
-        from gem_precision import triton_rowwise
+    if use_triton(x):
+        from gem_precision.triton_kernels import rowwise as triton_rowwise
 
         return triton_rowwise.quantize_rowwise_triton(
             x, elem_format(elem_dtype), transpose=transpose, k_multiple=k_multiple
@@ -117,8 +96,8 @@ def quantize_rowwise_both(
         raise ValueError(
             f"quantize_rowwise_both: k multiples must be >= 1, got {row_k_multiple}, {col_k_multiple}"
         )
-    if x.is_cuda:
-        from gem_precision import triton_rowwise
+    if use_triton(x):
+        from gem_precision.triton_kernels import rowwise as triton_rowwise
 
         colt, cs, row, rs = triton_rowwise.quantize_tiles_triton(
             x,

@@ -23,13 +23,20 @@ def _block_f(feat: int) -> int:
 
 
 @triton.jit
+def segment_bounds(offsets_ptr, b):
+    """(first row, row count) of segment ``b`` of ``offsets`` ``[B+1]``, both int64 (row * feature offsets of
+    large tensors overflow int32)."""
+    start = tl.load(offsets_ptr + b).to(tl.int64)
+    return start, tl.load(offsets_ptr + b + 1).to(tl.int64) - start
+
+
+@triton.jit
 def _jagged_to_padded_kernel(
     V, P, offsets_ptr, max_len, F, padding_value, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr
 ):
     b = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    start = tl.load(offsets_ptr + b).to(tl.int64)
-    n = tl.load(offsets_ptr + b + 1).to(tl.int64) - start
+    start, n = segment_bounds(offsets_ptr, b)
     src_ok = rows < n
     dst_ok = rows < max_len
     src = (start + rows)[:, None] * F
@@ -101,8 +108,7 @@ def _jagged_mean_kernel(V, M, offsets_ptr, F, BLOCK_N: tl.constexpr, BLOCK_F: tl
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     col_ok = cols < F
-    start = tl.load(offsets_ptr + b).to(tl.int64)
-    n = tl.load(offsets_ptr + b + 1).to(tl.int64) - start
+    start, n = segment_bounds(offsets_ptr, b)
     acc = tl.zeros([BLOCK_N, BLOCK_F], dtype=tl.float32)
     for r0 in range(0, n, BLOCK_N):
         rows = r0 + tl.arange(0, BLOCK_N)

@@ -13,8 +13,8 @@ Band: key ``j`` is visible from query ``i`` iff ``i - left <= j <= i + right``; 
 number for an unbounded side. Softmax works in base 2 (``qk_scale`` is pre-multiplied by log2(e)); the
 saved ``lse`` is natural-log, ``-inf`` for a row with no visible key.
 
-Backward, no atomics: ``_dq_kernel`` (one program per query tile, also writes ``delta = rowsum(dO * O)`` for
-softmax) runs first, then ``_dkdv_kernel`` (one program per key tile, looping over query tiles).
+Backward, no atomics: ``dq_kernel`` (one program per query tile, also writes ``delta = rowsum(dO * O)`` for
+softmax) runs first, then ``dkdv_kernel`` (one program per key tile, looping over query tiles).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _sigmoid(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _act(s, ACT: tl.constexpr, FAST: tl.constexpr):
+def gdpa_act(s, ACT: tl.constexpr, FAST: tl.constexpr):
     """GDPA activation (ACT: 1 silu, 2 gelu-tanh, 3 relu, 4 relu2, 5 identity)."""
     if ACT == 1:
         y = s * _sigmoid(s, FAST)
@@ -65,7 +65,7 @@ def _act(s, ACT: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _act_and_grad(s, ACT: tl.constexpr, FAST: tl.constexpr):
+def act_and_grad(s, ACT: tl.constexpr, FAST: tl.constexpr):
     """(act(s), act'(s)) sharing the sigmoid."""
     if ACT == 1:
         sg = _sigmoid(s, FAST)
@@ -89,7 +89,7 @@ def _act_and_grad(s, ACT: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _band_ranges(start, len_inner, lo_dist, hi_dist, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr):
+def band_ranges(start, len_inner, lo_dist, hi_dist, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr):
     """Inner tiles seen by outer rows ``[start, start+BLOCK_OUTER)`` where inner ``c`` is visible from
     outer ``r`` iff ``r - lo_dist <= c <= r + hi_dist`` and ``c < len_inner``.
 
@@ -106,14 +106,72 @@ def _band_ranges(start, len_inner, lo_dist, hi_dist, BLOCK_OUTER: tl.constexpr, 
 
 
 @triton.jit
-def _seq_bounds(offsets, b):
+def program_seq_head(n_heads):
+    """(sequence ``b``, head ``h``) of this program: axis 0 of the grid runs over ``B * n_heads``."""
+    pid_bh = tl.program_id(0)
+    return pid_bh // n_heads, pid_bh % n_heads
+
+
+@triton.jit
+def program_tile_start(BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """First row of this program's tile along axis 1 of the grid; ``REVERSE`` gives the last tile to the
+    first program (under a causal band later query tiles see more keys: start them first)."""
+    if REVERSE:
+        t = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        t = tl.program_id(1)
+    return t * BLOCK
+
+
+@triton.jit
+def persistent_item(tiles, w, n_heads, n_tiles, BLOCK: tl.constexpr):
+    """(sequence, head, first row of the tile) of work item ``w`` of a persistent kernel: ``tiles`` lists
+    ``b * n_tiles + tile`` in schedule order, each one ``n_heads`` items."""
+    item = tl.load(tiles + w // n_heads)
+    return item // n_tiles, w % n_heads, (item % n_tiles) * BLOCK
+
+
+@triton.jit
+def score_scale(qk_scale, ACT: tl.constexpr):
+    """Scale of the scores: in base 2 for softmax (the kernels use ``exp2``), as given for GDPA."""
+    if ACT == 0:
+        s_scale = qk_scale * LOG2E
+    else:
+        s_scale = qk_scale
+    return s_scale
+
+
+@triton.jit
+def bwd_scales(qk_scale, out_scale, ACT: tl.constexpr):
+    """Scales of the scores (base 2 for softmax), of dQ and dK, and of dV."""
+    if ACT == 0:
+        s_scale = qk_scale * LOG2E
+        g_scale = qk_scale
+        v_scale = 1.0
+    else:
+        s_scale = qk_scale
+        g_scale = qk_scale * out_scale
+        v_scale = out_scale
+    return s_scale, g_scale, v_scale
+
+
+@triton.jit
+def seq_bounds(offsets, b):
     """(first row int64, length int32) of sequence ``b`` of ``offsets`` ``[B+1]``."""
     start = tl.load(offsets + b).to(tl.int64)
     return start, (tl.load(offsets + b + 1) - start).to(tl.int32)
 
 
 @triton.jit
-def _load_rows(X, start, offs, ok, h, stride_t, stride_h, offs_d, D: tl.constexpr):
+def seq_pair_bounds(q_offsets, kv_offsets, b):
+    """``(q_start, len_q, kv_start, len_kv)`` of sequence ``b``: :func:`seq_bounds` of both sides."""
+    q_start, len_q = seq_bounds(q_offsets, b)
+    kv_start, len_kv = seq_bounds(kv_offsets, b)
+    return q_start, len_q, kv_start, len_kv
+
+
+@triton.jit
+def load_rows(X, start, offs, ok, h, stride_t, stride_h, offs_d, D: tl.constexpr):
     """Tile ``[len(offs), len(offs_d)]`` of head ``h``, rows ``start + offs`` of ``X``; 0 where ``ok`` is
     false or the column is ``>= D``."""
     rows = (start + offs[:, None]) * stride_t + h * stride_h
@@ -121,14 +179,14 @@ def _load_rows(X, start, offs, ok, h, stride_t, stride_h, offs_d, D: tl.constexp
 
 
 @triton.jit
-def _store_rows(X, x, start, offs, ok, h, stride_t, stride_h, offs_d, D: tl.constexpr):
-    """Stores the tile ``x`` (rounded to X's dtype) where :func:`_load_rows` would read it."""
+def store_rows(X, x, start, offs, ok, h, stride_t, stride_h, offs_d, D: tl.constexpr):
+    """Stores the tile ``x`` (rounded to X's dtype) where :func:`load_rows` would read it."""
     ptrs = X + (start + offs[:, None]) * stride_t + h * stride_h + offs_d[None, :]
     tl.store(ptrs, x.to(X.dtype.element_ty), mask=ok[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
-def _visible_keys(offs_m, offs_n, len_kv, left, right):
+def visible_keys(offs_m, offs_n, len_kv, left, right):
     """Bool ``[BM, BN]``: key ``offs_n`` exists and lies in the band of query ``offs_m``."""
     return (
         (offs_n[None, :] < len_kv)
@@ -138,13 +196,13 @@ def _visible_keys(offs_m, offs_n, len_kv, left, right):
 
 
 @triton.jit
-def _visible(offs_m, offs_n, len_q, len_kv, left, right):
+def visible_mask(offs_m, offs_n, len_q, len_kv, left, right):
     """Bool ``[BM, BN]``: query ``offs_m`` exists and sees key ``offs_n``."""
-    return (offs_m[:, None] < len_q) & _visible_keys(offs_m, offs_n, len_kv, left, right)
+    return (offs_m[:, None] < len_q) & visible_keys(offs_m, offs_n, len_kv, left, right)
 
 
 @triton.jit
-def _row_stats(
+def row_stats(
     Out,
     LSE,
     do,
@@ -162,7 +220,7 @@ def _row_stats(
 ):
     """Softmax: (lse in base 2, +inf for rows without keys; delta = rowsum(dO * O)). GDPA: zeros."""
     if ACT == 0:
-        o = _load_rows(Out, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
+        o = load_rows(Out, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         lse = tl.load(LSE + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from gem_precision import reference, triton_fp8
 from gem_precision.formats import ElemFormat
-from gem_precision.mx import MXTensor
-from gem_precision.triton_fp8 import e8m0_to_f32, fp8_bits, interpreting
+from gem_precision.torch_ops import mx_reference
+from gem_precision.triton_kernels import fp8 as triton_fp8
+from gem_precision.triton_kernels.fp8 import e8m0_to_f32, fp8_bits, interpreting
+
+if TYPE_CHECKING:  # only the type: importing mx_tensor here at run time would make a cycle with it
+    from gem_precision.mx_tensor import MXTensor
 
 # Block layouts of the quantization kernel.
 _ALONG_COLS, _ALONG_ROWS, _SQUARE = 0, 1, 2
@@ -192,7 +196,7 @@ def to_mx_triton(
             return _to_mx_2d(x, _SQUARE, block_size, fmt, scale_mode, seed, None)
         lead = x.shape[:-2]
         if math.prod(lead) == 0:
-            return reference.to_mx_reference(
+            return mx_reference.to_mx_reference(
                 x,
                 axis=axis,
                 block_size=block_size,

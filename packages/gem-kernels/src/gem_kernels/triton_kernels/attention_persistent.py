@@ -1,9 +1,9 @@
 """Persistent-grid Triton kernels of jagged attention (forward, dQ, dK/dV), optionally with TMA loads.
 
-Same mathematics, layout, band and three-phase loops as :mod:`.triton_fwd` / :mod:`.triton_bwd` (see
-:mod:`.triton_common`); what differs is the grid. Instead of one program per (sequence x head, tile of
+Same mathematics, layout, band and three-phase loops as :mod:`.attention_fwd` / :mod:`.attention_bwd` (see
+:mod:`.attention_common`); what differs is the grid. Instead of one program per (sequence x head, tile of
 the longest sequence), most of which return at once on a log-normal batch, a few programs per SM loop over
-the work items of a :class:`~.triton_schedule.TileSchedule` (real tiles only, heaviest first), taking the
+the work items of a :class:`~.attention_schedule.TileSchedule` (real tiles only, heaviest first), taking the
 next item from a global atomic counter: greedy longest-processing-time-first list scheduling, so that a
 program that drew a long causal tile does not hold up the end of the kernel.
 
@@ -25,16 +25,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.attention.triton_common import (
+from gem_kernels.triton_kernels.attention_common import (
     LN2,
     LOG2E,
-    _act,
-    _act_and_grad,
-    _band_ranges,
-    _row_stats,
-    _seq_bounds,
-    _store_rows,
-    _visible_keys,
+    act_and_grad,
+    band_ranges,
+    bwd_scales,
+    gdpa_act,
+    persistent_item,
+    row_stats,
+    score_scale,
+    seq_pair_bounds,
+    store_rows,
+    visible_keys,
 )
 
 
@@ -84,7 +87,7 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh
                ACT: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr):
-    """Key tiles ``[lo, hi)`` into ``acc`` ``[BM, BDV]`` (as :func:`.triton_fwd._fwd_tiles`)."""
+    """Key tiles ``[lo, hi)`` into ``acc`` ``[BM, BDV]`` (as :func:`.attention_fwd._fwd_tiles`)."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _tile(K, kd, kv_start, start_n, len_kv, h, stride_kt, stride_kh, D, BLOCK_N, BLOCK_D, MASK,
@@ -93,7 +96,7 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh
                   USE_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN] fp32
         if MASK:
-            visible = _visible_keys(offs_m, offs_n, len_kv, left, right)
+            visible = visible_keys(offs_m, offs_n, len_kv, left, right)
         if ACT == 0:
             if MASK:
                 s = tl.where(visible, s, float("-inf"))
@@ -105,7 +108,7 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh
             acc = acc * alpha[:, None]
             m_i = m_new
         else:
-            p = _act(s, ACT, FAST_ACT)
+            p = gdpa_act(s, ACT, FAST_ACT)
             if MASK:
                 p = tl.where(visible, p, 0.0)
         acc = tl.dot(p.to(q.dtype), v, acc, input_precision=PRECISION)
@@ -113,7 +116,7 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh
 
 
 @triton.jit
-def _fwd_persistent_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets, tiles, count, counter,
+def fwd_persistent_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets, tiles, count, counter,
                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                            stride_oh, n_heads, n_tiles, total_q, total_kv, left, right, qk_scale, out_scale,
                            bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
@@ -126,26 +129,19 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets, tiles, coun
     kd = _descriptor(K, total_kv, stride_kt, n_heads, D, BLOCK_N, BLOCK_D, USE_TMA)
     vd = _descriptor(V, total_kv, stride_vt, n_heads, DV, BLOCK_N, BLOCK_DV, USE_TMA)
     n_items = tl.load(count)
-    if ACT == 0:
-        s_scale = qk_scale * LOG2E
-    else:
-        s_scale = qk_scale
+    s_scale = score_scale(qk_scale, ACT)
     offs_dv = tl.arange(0, BLOCK_DV)
     w = _next_item(counter)
     while w < n_items:
-        item = tl.load(tiles + w // n_heads)
-        h = w % n_heads
-        b = item // n_tiles
-        start_m = (item % n_tiles) * BLOCK_M
-        q_start, len_q = _seq_bounds(q_offsets, b)
-        kv_start, len_kv = _seq_bounds(kv_offsets, b)
+        b, h, start_m = persistent_item(tiles, w, n_heads, n_tiles, BLOCK_M)
+        q_start, len_q, kv_start, len_kv = seq_pair_bounds(q_offsets, kv_offsets, b)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < len_q
         q = _tile(Q, qd, q_start, start_m, len_q, h, stride_qt, stride_qh, D, BLOCK_M, BLOCK_D, True, USE_TMA)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        lo, full_lo, full_hi, hi = _band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
+        lo, full_lo, full_hi, hi = band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh,
                                    stride_vt, stride_vh, offs_m, len_kv, lo, full_lo, left, right, s_scale,
                                    ACT, True, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA,
@@ -165,7 +161,7 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets, tiles, coun
             tl.store(LSE + (q_start + offs_m) * n_heads + h, lse, mask=row_ok)
         else:
             acc = acc * out_scale
-        _store_rows(Out, acc, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
+        store_rows(Out, acc, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
         w = _next_item(counter)
 
 
@@ -178,7 +174,7 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stri
               ACT: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr):
-    """``dS K`` over key tiles ``[lo, hi)`` into ``dq`` ``[BM, BD]`` (as :func:`.triton_bwd._dq_tiles`)."""
+    """``dS K`` over key tiles ``[lo, hi)`` into ``dq`` ``[BM, BD]`` (as :func:`.attention_bwd._dq_tiles`)."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _tile(K, kd, kv_start, start_n, len_kv, h, stride_kt, stride_kh, D, BLOCK_N, BLOCK_D, MASK,
@@ -191,16 +187,16 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stri
             p = tl.math.exp2(s - lse2[:, None])
             ds = p * (dp - delta[:, None])
         else:
-            _, da = _act_and_grad(s, ACT, FAST_ACT)
+            _, da = act_and_grad(s, ACT, FAST_ACT)
             ds = dp * da
         if MASK:
-            ds = tl.where(_visible_keys(offs_m, offs_n, len_kv, left, right), ds, 0.0)
+            ds = tl.where(visible_keys(offs_m, offs_n, len_kv, left, right), ds, 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
 
 @triton.jit
-def _dq_persistent_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets, tiles, count, counter,
+def dq_persistent_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets, tiles, count, counter,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                           stride_oh, n_heads, n_tiles, total_q, total_kv, left, right, qk_scale, out_scale,
                           bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
@@ -214,34 +210,25 @@ def _dq_persistent_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offset
     kd = _descriptor(K, total_kv, stride_kt, n_heads, D, BLOCK_N, BLOCK_D, USE_TMA)
     vd = _descriptor(V, total_kv, stride_vt, n_heads, DV, BLOCK_N, BLOCK_DV, USE_TMA)
     n_items = tl.load(count)
-    if ACT == 0:
-        s_scale = qk_scale * LOG2E
-        dq_scale = qk_scale
-    else:
-        s_scale = qk_scale
-        dq_scale = qk_scale * out_scale
+    s_scale, dq_scale, _ = bwd_scales(qk_scale, out_scale, ACT)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     w = _next_item(counter)
     while w < n_items:
-        item = tl.load(tiles + w // n_heads)
-        h = w % n_heads
-        b = item // n_tiles
-        start_m = (item % n_tiles) * BLOCK_M
-        q_start, len_q = _seq_bounds(q_offsets, b)
-        kv_start, len_kv = _seq_bounds(kv_offsets, b)
+        b, h, start_m = persistent_item(tiles, w, n_heads, n_tiles, BLOCK_M)
+        q_start, len_q, kv_start, len_kv = seq_pair_bounds(q_offsets, kv_offsets, b)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < len_q
         q = _tile(Q, qd, q_start, start_m, len_q, h, stride_qt, stride_qh, D, BLOCK_M, BLOCK_D, True, USE_TMA)
         do = _tile(DO, dod, q_start, start_m, len_q, h, stride_ot, stride_oh, DV, BLOCK_M, BLOCK_DV, True,
                    USE_TMA)
         # Rows past the sequence (TMA) meet masked O loads: delta 0 there, and they are never stored.
-        lse2, delta = _row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
+        lse2, delta = row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
                                  offs_dv, DV, ACT, BLOCK_M)
         if ACT == 0:
             tl.store(DELTA + (q_start + offs_m) * n_heads + h, delta, mask=row_ok)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        lo, full_lo, full_hi, hi = _band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
+        lo, full_lo, full_hi, hi = band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stride_kh, stride_vt,
                        stride_vh, offs_m, len_kv, lo, full_lo, left, right, s_scale, ACT, True, D, DV,
                        BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA, WS)
@@ -251,7 +238,7 @@ def _dq_persistent_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offset
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stride_kh, stride_vt,
                        stride_vh, offs_m, len_kv, full_hi, hi, left, right, s_scale, ACT, True, D, DV,
                        BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA, WS)
-        _store_rows(DQ, dq * dq_scale, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
+        store_rows(DQ, dq * dq_scale, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
         w = _next_item(counter)
 
 
@@ -265,7 +252,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, s
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr):
     """``P^T dO`` into ``dv``, ``dS^T Q`` into ``dk`` over query tiles ``[lo, hi)`` (as
-    :func:`.triton_bwd._dkdv_tiles`)."""
+    :func:`.attention_bwd._dkdv_tiles`)."""
     for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _tile(Q, qd, q_start, start_m, len_q, h, stride_qt, stride_qh, D, BLOCK_M, BLOCK_D, MASK, USE_TMA)
@@ -281,7 +268,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, s
             pt = tl.math.exp2(st - lse2[None, :])
             dst = pt * (dpt - delta[None, :])
         else:
-            pt, da = _act_and_grad(st, ACT, FAST_ACT)
+            pt, da = act_and_grad(st, ACT, FAST_ACT)
             dst = dpt * da
         if MASK:
             visible = ((offs_m[None, :] < len_q)
@@ -295,7 +282,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, s
 
 
 @triton.jit
-def _dkdv_persistent_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets, tiles, count, counter,
+def dkdv_persistent_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets, tiles, count, counter,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                             stride_oh, n_heads, n_tiles, total_q, total_kv, left, right, qk_scale, out_scale,
                             bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
@@ -309,24 +296,13 @@ def _dkdv_persistent_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offs
     kd = _descriptor(K, total_kv, stride_kt, n_heads, D, BLOCK_N, BLOCK_D, USE_TMA)
     vd = _descriptor(V, total_kv, stride_vt, n_heads, DV, BLOCK_N, BLOCK_DV, USE_TMA)
     n_items = tl.load(count)
-    if ACT == 0:
-        s_scale = qk_scale * LOG2E
-        dk_scale = qk_scale
-        dv_scale = 1.0
-    else:
-        s_scale = qk_scale
-        dk_scale = qk_scale * out_scale
-        dv_scale = out_scale
+    s_scale, dk_scale, dv_scale = bwd_scales(qk_scale, out_scale, ACT)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     w = _next_item(counter)
     while w < n_items:
-        item = tl.load(tiles + w // n_heads)
-        h = w % n_heads
-        b = item // n_tiles
-        start_n = (item % n_tiles) * BLOCK_N
-        kv_start, len_kv = _seq_bounds(kv_offsets, b)
-        q_start, len_q = _seq_bounds(q_offsets, b)
+        b, h, start_n = persistent_item(tiles, w, n_heads, n_tiles, BLOCK_N)
+        q_start, len_q, kv_start, len_kv = seq_pair_bounds(q_offsets, kv_offsets, b)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < len_kv
         # Key rows past the sequence (TMA) only reach rows of dK/dV that are never stored.
@@ -336,7 +312,7 @@ def _dkdv_persistent_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offs
                   USE_TMA)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-        lo, full_lo, full_hi, hi = _band_ranges(start_n, len_q, right, left, BLOCK_N, BLOCK_M)
+        lo, full_lo, full_hi, hi = band_ranges(start_n, len_q, right, left, BLOCK_N, BLOCK_M)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, stride_qt,
                              stride_qh, stride_ot, stride_oh, offs_n, len_q, lo, full_lo, left, right,
                              s_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
@@ -349,6 +325,6 @@ def _dkdv_persistent_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offs
                              stride_qh, stride_ot, stride_oh, offs_n, len_q, full_hi, hi, left, right,
                              s_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
                              USE_TMA, WS)
-        _store_rows(DK, dk * dk_scale, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
-        _store_rows(DV_, dv * dv_scale, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
+        store_rows(DK, dk * dk_scale, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
+        store_rows(DV_, dv * dv_scale, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
         w = _next_item(counter)

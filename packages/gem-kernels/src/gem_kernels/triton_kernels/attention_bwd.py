@@ -1,6 +1,6 @@
 """Backward Triton kernels of jagged attention: dQ (and delta) first, then dK/dV; no atomics.
 
-See :mod:`.triton_common` for the layout and the band. Softmax: ``P = exp(S - lse)``,
+See :mod:`.attention_common` for the layout and the band. Softmax: ``P = exp(S - lse)``,
 ``dS = P * (dO V^T - delta)``. GDPA: ``dS = out_scale * (dO V^T) * act'(S)``. Then ``dQ = qk_scale dS K``,
 ``dK = qk_scale dS^T Q``, ``dV = P^T dO`` (``out_scale * act(S)^T dO`` for GDPA).
 """
@@ -13,15 +13,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.attention.triton_common import (
+from gem_kernels.triton_kernels.attention_common import (
     LOG2E,
-    _act_and_grad,
-    _band_ranges,
-    _load_rows,
-    _row_stats,
-    _seq_bounds,
-    _store_rows,
-    _visible_keys,
+    act_and_grad,
+    band_ranges,
+    load_rows,
+    program_seq_head,
+    program_tile_start,
+    row_stats,
+    score_scale,
+    seq_bounds,
+    store_rows,
+    visible_keys,
 )
 
 
@@ -48,16 +51,16 @@ def _dq_tiles(dq, q, do, lse2, delta, K, V, k_row0, v_row0, stride_kt, stride_vt
             p = tl.math.exp2(s - lse2[:, None])
             ds = p * (dp - delta[:, None])
         else:
-            _, da = _act_and_grad(s, ACT, FAST_ACT)
+            _, da = act_and_grad(s, ACT, FAST_ACT)
             ds = dp * da
         if MASK:
-            ds = tl.where(_visible_keys(offs_m, offs_n, len_kv, left, right), ds, 0.0)
+            ds = tl.where(visible_keys(offs_m, offs_n, len_kv, left, right), ds, 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets,
+def dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                n_heads, left, right, qk_scale, out_scale,
                bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
@@ -65,31 +68,27 @@ def _dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
     """One program per (sequence x head, query tile): ``DQ``, and for softmax ``DELTA = rowsum(dO * O)``."""
-    pid_bh = tl.program_id(0)
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
-    q_start, len_q = _seq_bounds(q_offsets, b)
+    b, h = program_seq_head(n_heads)
+    start_m = program_tile_start(BLOCK_M, True)
+    q_start, len_q = seq_bounds(q_offsets, b)
     if start_m < len_q:
-        kv_start, len_kv = _seq_bounds(kv_offsets, b)
+        kv_start, len_kv = seq_bounds(kv_offsets, b)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         row_ok = offs_m < len_q
-        q = _load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
-        do = _load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
+        q = load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
+        do = load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
         # Rows with no visible key (lse = -inf) get lse2 = +inf, hence p = 0 instead of inf.
-        lse2, delta = _row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
+        lse2, delta = row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
                                  offs_dv, DV, ACT, BLOCK_M)
         if ACT == 0:
             tl.store(DELTA + (q_start + offs_m) * n_heads + h, delta, mask=row_ok)
-            s_scale = qk_scale * LOG2E
-        else:
-            s_scale = qk_scale
+        s_scale = score_scale(qk_scale, ACT)
         k_row0 = kv_start * stride_kt + h * stride_kh
         v_row0 = kv_start * stride_vt + h * stride_vh
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        lo, full_lo, full_hi, hi = _band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
+        lo, full_lo, full_hi, hi = band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
         dq = _dq_tiles(dq, q, do, lse2, delta, K, V, k_row0, v_row0, stride_kt, stride_vt, offs_m, offs_d,
                        offs_dv, len_kv, lo, full_lo, left, right, s_scale, ACT, True, D, DV, BLOCK_N, BLOCK_D,
                        BLOCK_DV, PRECISION, FAST_ACT)
@@ -103,7 +102,7 @@ def _dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets,
             dq = dq * qk_scale
         else:
             dq = dq * (qk_scale * out_scale)
-        _store_rows(DQ, dq, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
+        store_rows(DQ, dq, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
 
 
 @triton.jit
@@ -133,7 +132,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt,
             pt = tl.math.exp2(st - lse2[None, :])
             dst = pt * (dpt - delta[None, :])
         else:
-            pt, da = _act_and_grad(st, ACT, FAST_ACT)
+            pt, da = act_and_grad(st, ACT, FAST_ACT)
             dst = dpt * da
         if MASK:
             visible = ((offs_m[None, :] < len_q)
@@ -147,7 +146,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt,
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets,
+def dkdv_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                  n_heads, left, right, qk_scale, out_scale,
                  bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
@@ -155,28 +154,23 @@ def _dkdv_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
     """One program per (sequence x head, key tile): ``DK`` and ``DV_``, looping over the query tiles."""
-    pid_bh = tl.program_id(0)
-    # Earlier key tiles are seen by more queries under a causal band: start them first.
-    start_n = tl.program_id(1) * BLOCK_N
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
-    kv_start, len_kv = _seq_bounds(kv_offsets, b)
+    b, h = program_seq_head(n_heads)
+    # Earlier key tiles are seen by more queries under a causal band: they come first anyway.
+    start_n = program_tile_start(BLOCK_N, False)
+    kv_start, len_kv = seq_bounds(kv_offsets, b)
     if start_n < len_kv:
-        q_start, len_q = _seq_bounds(q_offsets, b)
+        q_start, len_q = seq_bounds(q_offsets, b)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         col_ok = offs_n < len_kv
-        k = _load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
-        v = _load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
-        if ACT == 0:
-            s_scale = qk_scale * LOG2E
-        else:
-            s_scale = qk_scale
+        k = load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
+        v = load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
+        s_scale = score_scale(qk_scale, ACT)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         # Query i sees key j iff j - right <= i <= j + left: the band seen from the key side.
-        lo, full_lo, full_hi, hi = _band_ranges(start_n, len_q, right, left, BLOCK_N, BLOCK_M)
+        lo, full_lo, full_hi, hi = band_ranges(start_n, len_q, right, left, BLOCK_N, BLOCK_M)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh,
                              stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, lo, full_lo, left, right,
                              s_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
@@ -192,5 +186,5 @@ def _dkdv_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets,
         else:
             dk = dk * (qk_scale * out_scale)
             dv = dv * out_scale
-        _store_rows(DK, dk, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
-        _store_rows(DV_, dv, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
+        store_rows(DK, dk, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
+        store_rows(DV_, dv, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)

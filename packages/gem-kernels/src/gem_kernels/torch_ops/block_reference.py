@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from gem_kernels.jagged_reference import token_positions
+from gem_kernels.torch_ops.jagged_reference import token_positions
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

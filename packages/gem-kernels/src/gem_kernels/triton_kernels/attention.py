@@ -5,7 +5,7 @@ two, the longest query/key sequence to a power of two, the band kind, the activa
 ragged batches do not retune every step. Which candidates are tried depends on the shape class: short
 keys (cross-attention, <= 64 keys: ``short_kv``), few queries (PMA, <= 32: ``few_q``), or ``general``.
 
-For the two asymmetric classes there is a second implementation (:mod:`.triton_onetile`: one program per
+For the two asymmetric classes there is a second implementation (:mod:`.attention_onetile`: one program per
 sequence and head, the short side in registers, the long side streamed): the forward of ``short_kv`` and
 the fused backward of ``short_kv`` and ``few_q``. ``GEM_KERNELS_ATTENTION_VARIANT`` (or
 :func:`force_variant`) picks ``tiled``, ``onetile``, or ``auto`` (the default): on CUDA the first call of
@@ -34,11 +34,15 @@ import torch
 import triton
 
 from gem_kernels import tune_cache
-from gem_kernels._dispatch import triton_interpreted
-from gem_kernels.attention.activations import ACTIVATION_IDS
-from gem_kernels.attention.triton_bwd import _dkdv_kernel, _dq_kernel
-from gem_kernels.attention.triton_fwd import _fwd_kernel
-from gem_kernels.attention.triton_onetile import _bwd_few_q_kernel, _bwd_short_kv_kernel, _fwd_short_kv_kernel
+from gem_kernels.dispatch import triton_interpreted
+from gem_kernels.torch_ops.activations import ACTIVATION_IDS
+from gem_kernels.triton_kernels.attention_bwd import dkdv_kernel, dq_kernel
+from gem_kernels.triton_kernels.attention_fwd import fwd_kernel
+from gem_kernels.triton_kernels.attention_onetile import (
+    bwd_few_q_kernel,
+    bwd_short_kv_kernel,
+    fwd_short_kv_kernel,
+)
 
 # Triton objects (kernels, autotuners, configs) are untyped: Any. Constexpr values by name:
 Consts = dict[str, Any]
@@ -57,7 +61,7 @@ if TUNE_CANDIDATES < 1:
 _forced: tuple[int, int] | None = None
 _tune_interpreted = False  # tests: autotune (and choose variants) under the interpreter too
 _forced_variant: str | None = None
-# "persistent", "tma", "tma_ws": the persistent-grid kernels (:mod:`.triton_persistent_launch`), opt-in.
+# "persistent", "tma", "tma_ws": the persistent-grid kernels (:mod:`.attention_persistent_launch`), opt-in.
 PERSISTENT_VARIANTS = ("persistent", "tma", "tma_ws")
 VARIANTS = ("tiled", "onetile", "auto", *PERSISTENT_VARIANTS)
 # "auto": where a one-tile kernel applies, time it against the tiled kernels once per bucket and keep the
@@ -228,9 +232,9 @@ def _tuned(kernel: str, fn: Any) -> Any:
     return tune_cache.autotune(kernel, fn, _configs(kernel), _KEY, prune=_pruner(kernel))
 
 
-_fwd_tuned = _tuned("fwd", _fwd_kernel)
-_dq_tuned = _tuned("dq", _dq_kernel)
-_dkdv_tuned = _tuned("dkdv", _dkdv_kernel)
+_fwd_tuned = _tuned("fwd", fwd_kernel)
+_dq_tuned = _tuned("dq", dq_kernel)
+_dkdv_tuned = _tuned("dkdv", dkdv_kernel)
 _fast_act_ok = True  # cleared if the hardware-tanh activations fail to compile on this GPU/Triton
 
 
@@ -242,11 +246,11 @@ def _onetile_tuned(name: str, fn: Any, stream_block: str, candidates: list[tuple
 
 
 # Two candidates each (one compilation per candidate on a first call).
-_fwd_short_kv_tuned = _onetile_tuned("fwd_short_kv", _fwd_short_kv_kernel, "BLOCK_M",
+_fwd_short_kv_tuned = _onetile_tuned("fwd_short_kv", fwd_short_kv_kernel, "BLOCK_M",
                                      [(128, 8, 3), (128, 4, 3)])
-_bwd_short_kv_tuned = _onetile_tuned("bwd_short_kv", _bwd_short_kv_kernel, "BLOCK_M",
+_bwd_short_kv_tuned = _onetile_tuned("bwd_short_kv", bwd_short_kv_kernel, "BLOCK_M",
                                      [(64, 4, 3), (128, 8, 3)])
-_bwd_few_q_tuned = _onetile_tuned("bwd_few_q", _bwd_few_q_kernel, "BLOCK_N", [(64, 4, 3), (128, 8, 3)])
+_bwd_few_q_tuned = _onetile_tuned("bwd_few_q", bwd_few_q_kernel, "BLOCK_N", [(64, 4, 3), (128, 8, 3)])
 # (family, buckets, constexprs, dtype) -> "tiled" or "onetile", decided by timing on the first call.
 variant_choice: dict[tuple[Any, ...], str] = {}
 
@@ -367,7 +371,7 @@ def attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton forward: ``(out [total_q, H, Dv], lse [total_q, H] fp32, or empty for GDPA)``.
 
-    Arguments as in :func:`gem_kernels.attention.reference.attention_fwd`, plus the host ints
+    Arguments as in :func:`gem_kernels.torch_ops.attention_reference.attention_fwd`, plus the host ints
     ``max_q_len``/``max_kv_len`` that size the grid."""
     batch, heads = q_offsets.numel() - 1, q.shape[1]
     out = torch.empty(q.shape[0], heads, v.shape[2], dtype=q.dtype, device=q.device)
@@ -377,7 +381,7 @@ def attention_fwd(
         return out, lse
     left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
     if (variant := _forced_variant or DEFAULT_VARIANT) in PERSISTENT_VARIANTS:
-        from gem_kernels.attention import triton_persistent_launch as tp
+        from gem_kernels.triton_kernels import attention_persistent_launch as tp
 
         tp.attention_fwd(q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, left, right, qk_scale,
                          out_scale, buckets, consts, variant, _forced)
@@ -387,17 +391,17 @@ def attention_fwd(
 
     def tiled() -> None:
         grid_of = lambda bm, bn: (batch * heads, triton.cdiv(max_q_len, bm))
-        _launch(_fwd_tuned, _fwd_kernel, grid_of, args, consts)
+        _launch(_fwd_tuned, fwd_kernel, grid_of, args, consts)
 
     if shape_class(buckets[1], buckets[2]) != "short_kv":
         tiled()
         return out, lse
 
     def onetile() -> None:
-        _launch_onetile(_fwd_short_kv_tuned, _fwd_short_kv_kernel, (batch * heads,), args, consts,
+        _launch_onetile(_fwd_short_kv_tuned, fwd_short_kv_kernel, (batch * heads,), args, consts,
                         {"BLOCK_N": buckets[2]})
 
-    _choose(_choice_key("fwd", q, buckets, consts), [_fwd_kernel, _fwd_short_kv_kernel], q.device, tiled,
+    _choose(_choice_key("fwd", q, buckets, consts), [fwd_kernel, fwd_short_kv_kernel], q.device, tiled,
             onetile)
     return out, lse
 
@@ -421,7 +425,7 @@ def attention_bwd(
     dout, out = dout.contiguous(), out.contiguous()  # dO is addressed with O's strides
     left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
     if (variant := _forced_variant or DEFAULT_VARIANT) in PERSISTENT_VARIANTS:
-        from gem_kernels.attention import triton_persistent_launch as tp
+        from gem_kernels.triton_kernels import attention_persistent_launch as tp
 
         tp.attention_bwd(dout, q, k, v, out, lse, dq, dk, dv, q_offsets, kv_offsets, max_q_len, max_kv_len,
                          left, right, qk_scale, out_scale, buckets, consts, variant, _forced)
@@ -433,12 +437,12 @@ def attention_bwd(
         if q.shape[0] > 0:
             args = (q, k, v, out, dout, dq, lse, delta, q_offsets, kv_offsets, *strides, heads, left, right,
                     qk_scale, out_scale, *buckets)
-            _launch(_dq_tuned, _dq_kernel, lambda bm, bn: (batch * heads, triton.cdiv(max_q_len, bm)), args,
+            _launch(_dq_tuned, dq_kernel, lambda bm, bn: (batch * heads, triton.cdiv(max_q_len, bm)), args,
                     consts)
         if k.shape[0] > 0:
             args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, *strides, heads, left, right,
                     qk_scale, out_scale, *buckets)
-            _launch(_dkdv_tuned, _dkdv_kernel, lambda bm, bn: (batch * heads, triton.cdiv(max_kv_len, bn)),
+            _launch(_dkdv_tuned, dkdv_kernel, lambda bm, bn: (batch * heads, triton.cdiv(max_kv_len, bn)),
                     args, consts)
 
     kind = shape_class(buckets[1], buckets[2])
@@ -449,14 +453,14 @@ def attention_bwd(
             qk_scale, out_scale, *buckets)
     if kind == "short_kv":
         def onetile() -> None:
-            _launch_onetile(_bwd_short_kv_tuned, _bwd_short_kv_kernel, (batch * heads,), args, consts,
+            _launch_onetile(_bwd_short_kv_tuned, bwd_short_kv_kernel, (batch * heads,), args, consts,
                             {"BLOCK_N": buckets[2]})
     else:
         def onetile() -> None:
-            _launch_onetile(_bwd_few_q_tuned, _bwd_few_q_kernel, (batch * heads,), args, consts,
+            _launch_onetile(_bwd_few_q_tuned, bwd_few_q_kernel, (batch * heads,), args, consts,
                             {"BLOCK_M": buckets[1]})
 
-    fused = _bwd_short_kv_kernel if kind == "short_kv" else _bwd_few_q_kernel
-    _choose(_choice_key("bwd", q, buckets, consts), [_dq_kernel, _dkdv_kernel, fused], q.device, tiled,
+    fused = bwd_short_kv_kernel if kind == "short_kv" else bwd_few_q_kernel
+    _choose(_choice_key("bwd", q, buckets, consts), [dq_kernel, dkdv_kernel, fused], q.device, tiled,
             onetile)
     return dq, dk, dv

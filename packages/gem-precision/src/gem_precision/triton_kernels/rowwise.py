@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from gem_precision.formats import ElemFormat
-from gem_precision.triton_fp8 import NATIVE_FP8_CAST, fp8_bits, interpreting
+from gem_precision.triton_kernels.fp8 import NATIVE_FP8_CAST, fp8_bits, interpreting
 
-_AMAX_EPS = tl.constexpr(1e-12)  # as in gem_precision.rowwise
+_AMAX_EPS = tl.constexpr(1e-12)  # as gem_precision.torch_ops.rowwise_reference.AMAX_EPS
 
 
 @triton.jit

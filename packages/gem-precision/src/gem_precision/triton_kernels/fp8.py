@@ -2,7 +2,7 @@
 
 Rounding is done on the fp32 bit pattern instead of with Triton's fp32 -> fp8 casts, because the casts
 differ between back ends (the interpreter gets some of them wrong) while these give the same bits
-everywhere. The algorithm is the one of :func:`gem_precision.reference.round_to_fp8_bits`.
+everywhere. The algorithm is the one of :func:`gem_precision.torch_ops.mx_reference.round_to_fp8_bits`.
 """
 
 from __future__ import annotations

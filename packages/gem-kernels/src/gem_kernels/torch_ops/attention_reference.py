@@ -7,7 +7,7 @@ via autograd) so that it can run inside a custom op and so that ``gradcheck`` ch
 
 Conventions shared with the Triton kernels:
 
-- ``activation`` is ``"softmax"`` or a GDPA activation from :mod:`gem_kernels.attention.activations`.
+- ``activation`` is ``"softmax"`` or a GDPA activation from :mod:`gem_kernels.torch_ops.activations`.
 - ``left``/``right`` bound the band of visible keys, in tokens: key ``j`` is visible from query ``i`` iff
   ``i - left <= j <= i + right``; ``-1`` means unbounded. Causal attention is ``right=0``.
 - A query row with no visible key outputs 0 and gets zero gradients; its log-sum-exp is ``-inf``.
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from gem_kernels.attention.activations import act_grad, act_value
+from gem_kernels.torch_ops.activations import act_grad, act_value
 
 SOFTMAX = "softmax"
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
@@ -84,7 +84,7 @@ def attention_fwd(
         ``out`` ``[total_q, H, Dv]`` in q's dtype, and for softmax the log-sum-exp ``[total_q, H]`` fp32
         (of the scaled scores, natural log); for GDPA an empty fp32 tensor.
     """
-    cdt = _compute_dtype(q)
+    cdt = compute_dtype(q)
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=cdt, device=q.device)
     softmax = activation == SOFTMAX
     lse = torch.full((q.shape[0], q.shape[1]) if softmax else (0,), float("-inf"), device=q.device)
@@ -124,7 +124,7 @@ def attention_bwd(
 
     ``dout`` is ``[total_q, H, Dv]``; the other arguments are those of :func:`attention_fwd`.
     """
-    cdt = _compute_dtype(q)
+    cdt = compute_dtype(q)
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
     dk = torch.zeros(k.shape, dtype=cdt, device=q.device)
     dv = torch.zeros(v.shape, dtype=cdt, device=q.device)

@@ -1,4 +1,4 @@
-"""Forward Triton kernel of jagged attention (softmax and GDPA); see :mod:`.triton_common`."""
+"""Forward Triton kernel of jagged attention (softmax and GDPA); see :mod:`.attention_common`."""
 
 # fmt: off
 # (Kernel argument lists stay packed: one argument per line would triple the length of these files.)
@@ -8,15 +8,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.attention.triton_common import (
+from gem_kernels.triton_kernels.attention_common import (
     LN2,
-    LOG2E,
-    _act,
-    _band_ranges,
-    _load_rows,
-    _seq_bounds,
-    _store_rows,
-    _visible_keys,
+    band_ranges,
+    gdpa_act,
+    load_rows,
+    program_seq_head,
+    program_tile_start,
+    score_scale,
+    seq_bounds,
+    store_rows,
+    visible_keys,
 )
 
 
@@ -39,7 +41,7 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, k_row0, v_row0, stride_kt, stride_vt, off
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BM, BN] fp32
         if MASK:
-            visible = _visible_keys(offs_m, offs_n, len_kv, left, right)
+            visible = visible_keys(offs_m, offs_n, len_kv, left, right)
         if ACT == 0:
             if MASK:
                 s = tl.where(visible, s, float("-inf"))
@@ -52,7 +54,7 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, k_row0, v_row0, stride_kt, stride_vt, off
             acc = acc * alpha[:, None]
             m_i = m_new
         else:
-            p = _act(s, ACT, FAST_ACT)
+            p = gdpa_act(s, ACT, FAST_ACT)
             if MASK:
                 p = tl.where(visible, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -60,7 +62,7 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, k_row0, v_row0, stride_kt, stride_vt, off
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets,
+def fwd_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 n_heads, left, right, qk_scale, out_scale,
                 bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
@@ -68,27 +70,23 @@ def _fwd_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
     """One program per (sequence x head, query tile): ``Out`` ``[total_q, H, DV]``; ``LSE`` for softmax."""
-    pid_bh = tl.program_id(0)
-    # Later query tiles see more keys under a causal band: start them first.
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
-    q_start, len_q = _seq_bounds(q_offsets, b)
+    b, h = program_seq_head(n_heads)
+    start_m = program_tile_start(BLOCK_M, True)
+    q_start, len_q = seq_bounds(q_offsets, b)
     if start_m < len_q:
-        kv_start, len_kv = _seq_bounds(kv_offsets, b)
+        kv_start, len_kv = seq_bounds(kv_offsets, b)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         row_ok = offs_m < len_q
-        q = _load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
+        q = load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
         k_row0 = kv_start * stride_kt + h * stride_kh
         v_row0 = kv_start * stride_vt + h * stride_vh
-        if ACT == 0:
-            qk_scale = qk_scale * LOG2E
+        qk_scale = score_scale(qk_scale, ACT)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        lo, full_lo, full_hi, hi = _band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
+        lo, full_lo, full_hi, hi = band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
         # Masked left edge of the band, unmasked interior, masked right edge (and sequence end).
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, k_row0, v_row0, stride_kt, stride_vt, offs_m,
                                    offs_d, offs_dv, len_kv, lo, full_lo, left, right, qk_scale, ACT, True, D,
@@ -106,4 +104,4 @@ def _fwd_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets,
             tl.store(LSE + (q_start + offs_m) * n_heads + h, lse, mask=row_ok)
         else:
             acc = acc * out_scale
-        _store_rows(Out, acc, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
+        store_rows(Out, acc, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)

@@ -1,15 +1,15 @@
 """Vectorized PyTorch path for jagged softmax attention and GDPA, forward and backward (the CPU path).
 
-Same semantics as the per-sequence loops in :mod:`gem_kernels.attention.reference` (which stay the oracle),
-but without a Python loop over the batch: the sequences are grouped into buckets by their query and key
-lengths (:data:`BUCKETS_PER_OCTAVE` buckets per doubling), each group is gathered into padded head-major
-``[H, G, Lq_max, D]`` / ``[H, G, Lk_max, D]`` tensors through index tensors, the masked scores
-``[H, G, Lq_max, Lk_max]`` are computed by batched matmuls (mask = query valid & key valid & band), and the
-results are scattered back with ``index_copy_``. Within a bucket every length is more than
-``2 ** (-1 / BUCKETS_PER_OCTAVE)`` of the padded one in each dimension, so the padded work stays within 2x
-of the valid work for 2 buckets per octave; a group whose score tensor would exceed :data:`SCORE_BUDGET`
-elements is split. The number of Python-level iterations is the number of (bucket, chunk) groups: at most
-``(2 log2(max_q_len) + 1) * (2 log2(max_kv_len) + 1)`` buckets, independent of the batch size ``B``.
+Same semantics as the per-sequence loops in :mod:`gem_kernels.torch_ops.attention_reference` (which stay the
+oracle), but without a Python loop over the batch: the sequences are grouped into buckets by their query and
+key lengths (:data:`BUCKETS_PER_OCTAVE` buckets per doubling), each group is gathered into padded head-major
+``[H, G, Lq_max, D]`` / ``[H, G, Lk_max, D]`` tensors through index tensors, the masked scores ``[H, G,
+Lq_max, Lk_max]`` are computed by batched matmuls (mask = query valid & key valid & band), and the results are
+scattered back with ``index_copy_``. Within a bucket every length is more than ``2 ** (-1 /
+BUCKETS_PER_OCTAVE)`` of the padded one in each dimension, so the padded work stays within 2x of the valid
+work for 2 buckets per octave; a group whose score tensor would exceed :data:`SCORE_BUDGET` elements is split.
+The number of Python-level iterations is the number of (bucket, chunk) groups: at most ``(2 log2(max_q_len) +
+1) * (2 log2(max_kv_len) + 1)`` buckets, independent of the batch size ``B``.
 
 Compute is fp32 (fp64 for fp64 inputs); outputs take the input dtypes, the LSE is fp32.
 """
@@ -23,8 +23,8 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
-from gem_kernels.attention.activations import act_grad, act_value
-from gem_kernels.attention.reference import SOFTMAX, _compute_dtype
+from gem_kernels.torch_ops.activations import act_grad, act_value
+from gem_kernels.torch_ops.attention_reference import SOFTMAX, compute_dtype
 
 # Largest G * H * Lq_max * Lk_max of one group's score tensor (2**26 fp32 elements = 256 MiB); several
 # such temporaries live at once in the backward, so this bounds its peak memory to about 1 GiB. A single
@@ -163,7 +163,8 @@ def _flat(padded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _probs_(s: torch.Tensor, masked_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: ``s`` ``[H, G, Lq, Lk]`` scores -> masked softmax probabilities over the last dim (rows
     with no visible key give 0), plus the log-sum-exp ``[H, G, Lq]`` (``-inf`` for those rows). The
-    arithmetic of :func:`gem_kernels.attention.reference._probs`, without temporaries of the scores' size."""
+    arithmetic of :func:`gem_kernels.torch_ops.attention_reference._probs`, without temporaries of the scores'
+    size."""
     s.masked_fill_(masked_out, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -195,7 +196,7 @@ def attention_fwd(
     qk_scale: float,
     out_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vectorized forward; the contract of :func:`gem_kernels.attention.reference.attention_fwd`.
+    """Vectorized forward; the contract of :func:`gem_kernels.torch_ops.attention_reference.attention_fwd`.
 
     Args:
         q: ``[total_q, H, D]``; k: ``[total_kv, H, D]``; v: ``[total_kv, H, Dv]``; one floating dtype.
@@ -209,7 +210,7 @@ def attention_fwd(
         ``out`` ``[total_q, H, Dv]`` in q's dtype, and for softmax the log-sum-exp ``[total_q, H]`` fp32
         (``-inf`` for rows with no visible key); for GDPA an empty fp32 tensor.
     """
-    cdt = _compute_dtype(q)
+    cdt = compute_dtype(q)
     softmax = activation == SOFTMAX
     heads = q.shape[1]
     out = torch.zeros(heads, q.shape[0] + 1, v.shape[2], dtype=cdt, device=q.device)
@@ -255,7 +256,7 @@ def attention_bwd(
     ``dout`` is ``[total_q, H, Dv]``; the other arguments are those of :func:`attention_fwd`. Softmax:
     ``ds = p * (dp - rowsum(p * dp))``; GDPA: ``ds = mask * out_scale * dp * act'(s)``.
     """
-    cdt = _compute_dtype(q)
+    cdt = compute_dtype(q)
     softmax = activation == SOFTMAX
     heads = q.shape[1]
     dq = torch.zeros(heads, q.shape[0] + 1, q.shape[2], dtype=cdt, device=q.device)

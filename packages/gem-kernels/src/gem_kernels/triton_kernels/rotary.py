@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.block_reference import inv_frequencies, rotary_positions
-from gem_kernels.block_triton import _cos_sin
+from gem_kernels.torch_ops.block_reference import inv_frequencies, rotary_positions
+from gem_kernels.triton_kernels.block import cos_sin
 
 BLOCK_T = 32
 
@@ -29,7 +29,7 @@ def _rotary_kernel(
     mask = row_ok[:, None] & (d < HALF)[None, :]
     pos = tl.load(positions_ptr + rows, mask=row_ok, other=0.0)
     freq = tl.load(inv_freq_ptr + d, mask=d < HALF, other=0.0)
-    cos, sin = _cos_sin(pos[:, None] * freq[None, :])
+    cos, sin = cos_sin(pos[:, None] * freq[None, :])
     if INVERSE:
         sin = -sin
     off = rows[:, None] * stride_t + h * stride_h + d[None, :]

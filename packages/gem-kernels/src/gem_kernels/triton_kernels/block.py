@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.block_reference import inv_frequencies
+from gem_kernels.torch_ops.block_reference import inv_frequencies
+from gem_kernels.triton_kernels.jagged import segment_bounds
 
 # Launch settings, chosen on the H200 (see BENCHMARKS.md); module attributes, so a benchmark can
 # override them. HEAD_GROUP heads share one program (and its rotary angles) when it divides H.
@@ -60,7 +61,7 @@ def _sequence_of_block(block_starts_ptr, pid, B, LOG_B: tl.constexpr):
 
 
 @triton.jit
-def _cos_sin(angle):
+def cos_sin(angle):
     """cos and sin of fp32 angles, by FMAs only (no libdevice call, no local memory).
 
     Reduce to ``r`` in [-pi, pi] with a two-constant Cody-Waite step (angles reach thousands of radians
@@ -93,11 +94,32 @@ def _cos_sin(angle):
 def _block_coords(offsets_ptr, block_starts_ptr, pid, B, BLOCK: tl.constexpr, LOG_B: tl.constexpr):
     """(first token of the block, tokens in it, position of its first token in the sequence)."""
     b = _sequence_of_block(block_starts_ptr, pid, B, LOG_B)
-    seq_start = tl.load(offsets_ptr + b).to(tl.int64)
-    seq_len = tl.load(offsets_ptr + b + 1).to(tl.int64) - seq_start
+    seq_start, seq_len = segment_bounds(offsets_ptr, b)
     first = (pid - tl.load(block_starts_ptr + b)).to(tl.int64) * BLOCK
     n = tl.minimum(seq_len - first, BLOCK)
     return seq_start + first, n, first
+
+
+@triton.jit
+def _block_tile(
+    offsets_ptr, block_starts_ptr, pid, B, D: tl.constexpr, DV: tl.constexpr, HALF: tl.constexpr,
+    HALF_P: tl.constexpr, DV_P: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, LOG_B: tl.constexpr,
+):  # fmt: skip
+    """The prologue of both block kernels: block ``pid``'s tokens and the masks of its tiles.
+
+    Returns ``(tok [TILE] int64, rows [TILE], n, first, row_ok [TILE], d [HALF_P], mask1, mask2 [TILE, HALF_P]
+    (the two rotary halves of q/k), dv [DV_P], vmask [TILE, DV_P])``.
+    """
+    tok0, n, first = _block_coords(offsets_ptr, block_starts_ptr, pid, B, BLOCK, LOG_B)
+    rows = tl.arange(0, TILE)
+    row_ok = rows < n
+    tok = tok0 + rows
+    d = tl.arange(0, HALF_P)
+    mask1 = row_ok[:, None] & (d < HALF)[None, :]
+    mask2 = row_ok[:, None] & (d + HALF < D)[None, :]
+    dv = tl.arange(0, DV_P)
+    vmask = row_ok[:, None] & (dv < DV)[None, :]
+    return tok, rows, n, first, row_ok, d, mask1, mask2, dv, vmask
 
 
 @triton.jit
@@ -108,7 +130,7 @@ def _rotation(positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, d_ok, HA
     else:
         pos = (first + rows).to(tl.float32)
     freq = tl.load(inv_freq_ptr + d, mask=d_ok, other=0.0)
-    return _cos_sin(pos[:, None] * freq[None, :])
+    return cos_sin(pos[:, None] * freq[None, :])
 
 
 @triton.jit
@@ -150,15 +172,9 @@ def _block_attention_fwd(
     pid = tl.program_id(0)
     if pid >= tl.load(block_starts_ptr + B):
         return
-    tok0, n, first = _block_coords(offsets_ptr, block_starts_ptr, pid, B, BLOCK, LOG_B)
-    rows = tl.arange(0, TILE)
-    row_ok = rows < n
-    tok = tok0 + rows
-    d = tl.arange(0, HALF_P)
-    mask1 = row_ok[:, None] & (d < HALF)[None, :]
-    mask2 = row_ok[:, None] & (d + HALF < D)[None, :]
-    dv = tl.arange(0, DV_P)
-    vmask = row_ok[:, None] & (dv < DV)[None, :]
+    tok, rows, n, first, row_ok, d, mask1, mask2, dv, vmask = _block_tile(
+        offsets_ptr, block_starts_ptr, pid, B, D, DV, HALF, HALF_P, DV_P, BLOCK, TILE, LOG_B
+    )
     if ROTARY:
         # The angles depend on the token only: computed once for the program's heads.
         cos, sin = _rotation(positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, d < HALF, HAS_POS)
@@ -187,15 +203,9 @@ def _block_attention_bwd(
     pid = tl.program_id(0)
     if pid >= tl.load(block_starts_ptr + B):
         return
-    tok0, n, first = _block_coords(offsets_ptr, block_starts_ptr, pid, B, BLOCK, LOG_B)
-    rows = tl.arange(0, TILE)
-    row_ok = rows < n
-    tok = tok0 + rows
-    d = tl.arange(0, HALF_P)
-    mask1 = row_ok[:, None] & (d < HALF)[None, :]
-    mask2 = row_ok[:, None] & (d + HALF < D)[None, :]
-    dv = tl.arange(0, DV_P)
-    vmask = row_ok[:, None] & (dv < DVD)[None, :]
+    tok, rows, n, first, row_ok, d, mask1, mask2, dv, vmask = _block_tile(
+        offsets_ptr, block_starts_ptr, pid, B, D, DVD, HALF, HALF_P, DV_P, BLOCK, TILE, LOG_B
+    )
     if ROTARY:
         cos, sin = _rotation(positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, d < HALF, HAS_POS)
     for hh in tl.static_range(HEAD_GROUP):

@@ -1,4 +1,4 @@
-"""Launchers of the persistent jagged attention kernels (:mod:`.triton_persistent`).
+"""Launchers of the persistent jagged attention kernels (:mod:`.attention_persistent`).
 
 Variants (picked with ``GEM_KERNELS_ATTENTION_VARIANT`` or ``triton_attention.force_variant``; opt-in, the
 tiled kernels stay the default): ``persistent`` (pointer loads), ``tma`` (TMA descriptor loads where the
@@ -23,13 +23,13 @@ from typing import Any
 import torch
 import triton
 
-from gem_kernels._dispatch import triton_interpreted
-from gem_kernels.attention.triton_persistent import (
-    _dkdv_persistent_kernel,
-    _dq_persistent_kernel,
-    _fwd_persistent_kernel,
+from gem_kernels.dispatch import triton_interpreted
+from gem_kernels.triton_kernels.attention_persistent import (
+    dkdv_persistent_kernel,
+    dq_persistent_kernel,
+    fwd_persistent_kernel,
 )
-from gem_kernels.attention.triton_schedule import cached_schedule
+from gem_kernels.triton_kernels.attention_schedule import cached_schedule
 
 Consts = dict[str, Any]
 VARIANTS = ("persistent", "tma", "tma_ws")
@@ -58,9 +58,9 @@ def _tuned(kernel: str, fn: Any) -> Any:
     return triton.autotune(configs, key=_KEY, reset_to_zero=["counter"])(fn)
 
 
-_fwd_tuned = _tuned("fwd", _fwd_persistent_kernel)
-_dq_tuned = _tuned("dq", _dq_persistent_kernel)
-_dkdv_tuned = _tuned("dkdv", _dkdv_persistent_kernel)
+_fwd_tuned = _tuned("fwd", fwd_persistent_kernel)
+_dq_tuned = _tuned("dq", dq_persistent_kernel)
+_dkdv_tuned = _tuned("dkdv", dkdv_persistent_kernel)
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -135,10 +135,10 @@ def attention_fwd(
     """Fills ``out`` ``[total_q, H, Dv]`` (and ``lse`` ``[total_q, H]`` for softmax) in place.
 
     ``left``/``right`` are the launcher's band distances (``UNBOUNDED`` for an open side); ``buckets`` and
-    ``consts`` as :func:`.triton_attention._setup` returns them; ``forced`` fixes ``(BLOCK_M, BLOCK_N)``."""
+    ``consts`` as :func:`.attention._setup` returns them; ``forced`` fixes ``(BLOCK_M, BLOCK_N)``."""
     heads = q.shape[1]
     consts = _consts(consts, variant, q, k, v)
-    _run("fwd", _fwd_tuned, _fwd_persistent_kernel, q_offsets, kv_offsets, max_q_len, left, right, heads,
+    _run("fwd", _fwd_tuned, fwd_persistent_kernel, q_offsets, kv_offsets, max_q_len, left, right, heads,
          (q, k, v, out, lse, q_offsets, kv_offsets),
          (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
           out.stride(1), q.shape[0], k.shape[0], left, right, qk_scale, out_scale, *buckets),
@@ -161,9 +161,9 @@ def attention_bwd(
                out.stride(1))
     tail = (*strides, q.shape[0], k.shape[0], left, right, qk_scale, out_scale, *buckets)
     if q.shape[0] > 0:
-        _run("dq", _dq_tuned, _dq_persistent_kernel, q_offsets, kv_offsets, max_q_len, left, right, heads,
+        _run("dq", _dq_tuned, dq_persistent_kernel, q_offsets, kv_offsets, max_q_len, left, right, heads,
              (q, k, v, out, dout, dq, lse, delta, q_offsets, kv_offsets), tail, consts, forced, True)
     if k.shape[0] > 0:
         # Query i sees key j iff j - right <= i <= j + left: the band seen from the key side.
-        _run("dkdv", _dkdv_tuned, _dkdv_persistent_kernel, kv_offsets, q_offsets, max_kv_len, right, left,
+        _run("dkdv", _dkdv_tuned, dkdv_persistent_kernel, kv_offsets, q_offsets, max_kv_len, right, left,
              heads, (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets), tail, consts, forced, False)
