@@ -82,7 +82,8 @@ def to_mx(
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"reference"``.
 
     Returns:
-        An :class:`MXTensor`. See :mod:`gem_precision.torch_ops.mx_reference` for zeros, NaN, Inf and subnormals.
+        An :class:`MXTensor`. See :mod:`gem_precision.torch_ops.mx_reference` for zeros, NaN, Inf and
+        subnormals.
     """
     check_float_tensor("to_mx", "x", x)
     if x.dim() == 0:
