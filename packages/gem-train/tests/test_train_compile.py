@@ -100,7 +100,7 @@ def test_compile_cache_dir_resolution_and_configuration(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     from triton.runtime.autotuner import Autotuner
 
-    from gem_kernels.attention import triton_attention
+    from gem_kernels.triton_kernels import attention as triton_attention
     from gem_train import compile as gc
 
     env = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", gc.COMPILE_CACHE_ENV)
