@@ -143,7 +143,16 @@ def run_recipe(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
         trainer.save,
     )
 
+    profiler = None
+    if args.profile_at:
+        from loop_profile import LoopProfiler  # this folder (the script's) is on sys.path
+
+        profiler = LoopProfiler(args.profile_at, args.profile_steps, device.type == "cuda")
+
     def timed_step(batch: Any, step: int) -> Any:
+        if profiler is not None:
+            profiler.after(step)  # step ``step`` (1-based) ended with the last call; the loop's host work too
+            profiler.before(step + 1)
         t = time.perf_counter()
         res = orig_step(batch, step)  # returns host floats: synchronized
         step_s[step + 1] = time.perf_counter() - t
@@ -221,6 +230,9 @@ def run_recipe(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
         "final_ne": final_ne,
         "gap_to_floor": final_ne / floor - 1 if final_ne is not None and floor else None,
     }
+    if profiler is not None and profiler.summary is not None:
+        _write_json(out / "loop_profile.json", profiler.summary)
+        res["loop_profile"] = {k: v for k, v in profiler.summary.items() if not isinstance(v, (dict, list))}
     _write_json(out / RECIPE_FILE, res)
     return res
 
@@ -292,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", action="store_true", help="the recipes as concurrent processes")
     p.add_argument("--merge-only", action="store_true", help="only merge the recipes already in --out")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--profile-at", type=int, default=0,
+        help="profile the loop from this (1-based) step: <out>/<recipe>/loop_profile.json",
+    )  # fmt: skip
+    p.add_argument("--profile-steps", type=int, default=5, help="steps in the profiled window")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     args = p.parse_args(argv)
     out = Path(args.out)

@@ -209,3 +209,58 @@ def test_a_gem_run_builds_its_optimizer_with_the_model_s_no_decay_parameters():
     _, _, d_ids, n_ids = _decay_groups(run.model, run.optimizers[0])
     seeds = [p for n, p in run.model.named_parameters() if n.endswith(".seeds")]
     assert seeds and all(id(p) in n_ids and id(p) not in d_ids for p in seeds)
+
+
+def test_adamw_implementation_fused_on_cuda_only_unless_asked():
+    from gem_train.config.schema import OptimConfig
+    from gem_train.optim import adamw_fused, build_optimizers
+
+    cpu = [nn.Parameter(torch.randn(3, 4))]
+    assert adamw_fused(cpu, "auto") is False  # CPU: foreach, the numbers CPU runs were made with
+    assert adamw_fused(cpu, "fused") is True
+    assert adamw_fused(cpu, "foreach") is False
+    meta_cuda = [nn.Parameter(torch.empty(2, device="meta"))]
+    assert adamw_fused(meta_cuda, "auto") is False
+    assert adamw_fused([], "auto") is False
+
+    # Fused and foreach AdamW take the same steps (fp32: within float rounding), decay groups included.
+    gen = torch.Generator().manual_seed(1)
+    w0 = torch.randn(5, 7, generator=gen)
+    b0 = torch.randn(7, generator=gen)
+    grads = [(torch.randn(5, 7, generator=gen), torch.randn(7, generator=gen)) for _ in range(4)]
+    finals = {}
+    for impl in ("fused", "foreach"):
+        w, b = nn.Parameter(w0.clone()), nn.Parameter(b0.clone())
+        (opt,) = build_optimizers([w, b], [], OptimConfig(lr=0.05, weight_decay=0.1, adamw_impl=impl))
+        assert opt.defaults["fused"] is (impl == "fused")
+        for gw, gb in grads:
+            w.grad, b.grad = gw.clone(), gb.clone()
+            opt.step()
+        finals[impl] = (w.detach().clone(), b.detach().clone())
+        assert not torch.equal(finals[impl][0], w0)
+    for got, want in zip(finals["fused"], finals["foreach"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e9, float("inf")])
+def test_clip_grad_norm_matches_torch_on_plain_tensors(max_norm):
+    from gem_train.grad_norm import clip_grad_norm
+
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(3, 4), (7,), (1,), (2, 3, 5), (0, 4)]  # an empty gradient counts zero
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    grads.append(torch.randn(6, generator=gen, dtype=torch.float64))  # a second dtype group
+    ours = [g.clone() for g in grads]
+    ref = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(ref, grads, strict=True):
+        p.grad = g.clone()
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    got = clip_grad_norm(ours, max_norm)
+    assert got.dtype == torch.float32 and got.shape == ()
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    for g, p, g0 in zip(ours, ref, grads, strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-7)
+        if max_norm >= 1e9:
+            assert torch.equal(g, g0)  # no clipping: untouched (coefficient clamped to 1)
+    clipped = float(torch.stack([g.double().norm() for g in ours]).norm())
+    assert clipped == pytest.approx(min(float(got), max_norm), rel=1e-5)

@@ -114,6 +114,9 @@ class OptimConfig:
     sparse_lr: float = 0.05
     sparse_eps: float = 1e-8
     grad_clip: float = 1.0  # max global norm of the dense gradients; 0 disables clipping
+    # AdamW's kernels: "fused" (one multi-tensor kernel per group: on CUDA the fastest), "foreach" (several
+    # multi-tensor ops), "auto": fused when every dense parameter is on CUDA, else foreach.
+    adamw_impl: Literal["auto", "fused", "foreach"] = "auto"
 
     def validate(self, key: str = "optim") -> None:
         _real(f"{key}.lr", self.lr, 0.0, None, lo_open=True)
