@@ -273,13 +273,14 @@ H200_SMEM = 232448  # shared_memory_per_block_optin of the H200 (227 KiB)
 
 @needs_triton
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
-def test_attention_candidates_by_shape_and_dtype_class(kernel: str) -> None:
+def test_attention_candidates_by_shape_and_dtype_class(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16: at most two candidates per bucket; fp32: one; all fit shared memory and are autotuner
     configs; key tiles no longer than the keys' bucket where one fits."""
     import torch
 
     from gem_kernels.triton_kernels import attention as ta
 
+    monkeypatch.setattr(ta, "TUNE_CANDIDATES", 2)  # the count is its own test's; the lists are this one's
     configs = {
         (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in ta._configs(kernel)
     }
@@ -307,6 +308,22 @@ def test_attention_candidates_by_shape_and_dtype_class(kernel: str) -> None:
         ta.smem_bytes(kernel, c[0], c[1], c[3], 128, 128, 2) <= 150_000 for c in tight
     )
     assert len(big) == 2 and len(tight) == 1
+
+
+@needs_triton
+def test_tune_candidates_default_is_one_on_sm90_else_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from gem_kernels.triton_kernels import attention as ta
+
+    monkeypatch.setattr(ta, "TUNE_CANDIDATES", None)  # GEM_KERNELS_TUNE_CANDIDATES unset
+    for sm90, want in ((True, 1), (False, 2)):
+        monkeypatch.setattr(ta, "_on_sm90", lambda sm90=sm90: sm90)
+        assert ta.tune_candidates() == want
+        got = ta.candidates_for("fwd", 4096, 4096, torch.bfloat16, 128, 128, H200_SMEM)
+        assert got == ta._CANDIDATES["fwd"]["general"][:want]
+    monkeypatch.setattr(ta, "TUNE_CANDIDATES", 3)  # the variable wins on any device
+    assert ta.tune_candidates() == 3
 
 
 @needs_triton

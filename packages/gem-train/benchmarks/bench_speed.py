@@ -122,20 +122,36 @@ def run_recipe(
     def step(i: int) -> None:
         step_on(batches[i % len(batches)])
 
+    overlap = cfg.train.overlap_steps and run.can_queue_steps
+    pending: list[Any] = []
+
     def step_on(batch: Any) -> None:
-        # Run.train_step: lr, forward, loss, backward, clipping, optimizers, and its one host sync.
-        run.train_step(batch, counter[0])
+        # The trainer's step: lr, forward, loss, backward, clipping, optimizers, and its one host sync, which
+        # the trainer reads after queueing the next step where it can (Run.queue_step): so does this loop.
+        if overlap:
+            queued = run.queue_step(batch, counter[0])
+            if pending:
+                pending.pop().result()
+            pending.append(queued)
+        else:
+            run.train_step(batch, counter[0])
         counter[0] += 1
+
+    def drain() -> None:
+        if pending:
+            pending.pop().result()
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     before = compile_counters()
     t0 = time.perf_counter()
     step(0)
+    drain()
     _sync(device)
     first = time.perf_counter() - t0
     for i in range(1, len(batches)):
         step(i)
+    drain()
     _sync(device)
     warmup = time.perf_counter() - t0
     after_warmup = compile_counters()
@@ -147,6 +163,7 @@ def run_recipe(
         if args.sync_each_step:
             _sync(device)
         times.append(time.perf_counter() - ts)
+    drain()
     _sync(device)
     wall = time.perf_counter() - t1
     after_steady = compile_counters()
@@ -187,12 +204,14 @@ def run_recipe(
         t2 = time.perf_counter()
         for _, batch in DevicePrefetcher(items, device):
             step_on(batch)
+        drain()
         _sync(device)
         out["step_ms_prefetched"] = 1e3 * (time.perf_counter() - t2) / args.prefetch_steps
         out["prefetched_over_resident_rate"] = out["step_ms_mean"] / out["step_ms_prefetched"]
         out["graphs_compiled_in_steady"] = compile_counters()["frames_ok"] - after_warmup["frames_ok"]
     if args.profile_steps > 0:
         out["profile"] = profile(step, args.profile_steps, device)
+        drain()
     return out
 
 

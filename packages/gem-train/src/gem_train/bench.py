@@ -1,7 +1,8 @@
 """``gem-train bench``: examples/s, step time, MFU and peak memory of a config on the current device.
 
 It times the trainer's own training step (:meth:`gem_train.run.Run.train_step`: learning rate, forward,
-loss, backward, clipping, both optimizers, and the step's one host sync) on the run that
+loss, backward, clipping, both optimizers, and the step's one host sync, read one step late where the
+trainer does so too: :meth:`gem_train.run.Run.queue_step`) on the run that
 :func:`gem_train.run.build_run` builds for training. Batches are generated before timing and cycled, so
 the numbers are the step's, not the data generator's; the generator's own rate is measured separately and
 reported as ``data_batches_per_s`` (one process, one worker).
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from gem_train.config import TrainConfig
-from gem_train.run import build_run
+from gem_train.run import PendingStep, build_run
 
 __all__ = ["run_bench"]
 
@@ -41,16 +42,35 @@ def run_bench(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
+    # As the trainer steps: where the optimizers skip non-finite steps on the device, step k's loss is read
+    # after step k + 1 is queued (Run.queue_step), so the host never holds the GPU up between steps.
+    overlap = cfg.train.overlap_steps and run.can_queue_steps
+    pending: PendingStep | None = None
+
+    def step(i: int) -> None:
+        nonlocal pending
+        batch = batches[i % len(batches)]
+        queued = run.queue_step(batch, i) if overlap else None
+        if queued is None:
+            run.train_step(batch, i)
+        if pending is not None:
+            pending.result()
+        pending = queued
+
     for i in range(warmup):
-        run.train_step(batches[i % len(batches)], i)
+        step(i)
     _sync(device)
     times = []
+    t_all = t = time.perf_counter()
     for i in range(steps):
-        t = time.perf_counter()
-        run.train_step(batches[i % len(batches)], warmup + i)
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    mean = statistics.fmean(times)
+        step(warmup + i)
+        now = time.perf_counter()
+        times.append(now - t)  # per call; with overlap each is one step behind the device at most
+        t = now
+    if pending is not None:
+        pending.result()
+    _sync(device)
+    mean = (time.perf_counter() - t_all) / steps
     peak = run.peak_flops
     out: dict[str, Any] = {
         "config": cfg.run.name,

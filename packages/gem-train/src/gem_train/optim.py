@@ -32,6 +32,10 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     ``W_r -= lr * G_r / (sqrt(s_r) + eps)``. Rows with a zero gradient (not looked up) are unchanged.
     Accepts dense or sparse (``nn.EmbeddingBag(sparse=True)``) gradients. 1-D parameters are treated as
     tables of width 1. The accumulator is float32 whatever the table's dtype.
+
+    Like fused Adam under ``torch.amp.GradScaler``, a ``found_inf`` attribute (a float32 0-d tensor on the
+    parameters' device) of 1 makes :meth:`step` leave every table and accumulator as it is, decided on the
+    device (no host sync): what :meth:`gem_train.run.Run.queue_step` relies on.
     """
 
     def __init__(self, params: Iterable[Tensor], lr: float = 0.05, eps: float = 1e-8) -> None:
@@ -45,6 +49,8 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf: Tensor | None = getattr(self, "found_inf", None)
+        skip = None if found_inf is None else found_inf.bool()
         for group in self.param_groups:
             lr, eps = group["lr"], group["eps"]
             for p in group["params"]:
@@ -62,14 +68,20 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     g = grad.coalesce()
                     rows = g.indices()[0]
                     vals = g.values().float().reshape(rows.numel(), -1)
-                    acc.index_add_(0, rows, vals.square().mean(dim=1))
+                    acc.index_add_(0, rows, _unless(skip, vals.square().mean(dim=1)))
                     scale = lr / (acc[rows].sqrt() + eps)
-                    w.index_add_(0, rows, (-scale[:, None] * vals).to(w.dtype))
+                    w.index_add_(0, rows, _unless(skip, -scale[:, None] * vals).to(w.dtype))
                 else:
                     g = grad.float().reshape(w.shape)
-                    acc.add_(g.square().mean(dim=1))
-                    w.sub_((lr * g / (acc.sqrt() + eps)[:, None]).to(w.dtype))
+                    acc.add_(_unless(skip, g.square().mean(dim=1)))
+                    w.sub_(_unless(skip, lr * g / (acc.sqrt() + eps)[:, None]).to(w.dtype))
         return loss
+
+
+def _unless(skip: Tensor | None, update: Tensor) -> Tensor:
+    """``update``, or zeros where ``skip`` (0-d bool) is set: ``where``, not a product, since a skipped
+    step's update is NaN/Inf."""
+    return update if skip is None else torch.where(skip.to(update.device), 0.0, update)
 
 
 def _local(t: Tensor) -> Tensor:

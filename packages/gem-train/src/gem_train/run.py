@@ -27,7 +27,7 @@ from gem_train.optim import build_optimizers, lr_factor, set_lr
 from gem_train.parallel import Layout, apply_parallel
 from gem_train.selection import check_selection
 
-__all__ = ["Run", "StepResult", "build_run", "build_source", "resolve_autocast"]
+__all__ = ["PendingStep", "Run", "StepResult", "build_run", "build_source", "resolve_autocast"]
 
 
 def build_source(cfg: TrainConfig) -> BatchSource:
@@ -66,6 +66,33 @@ class StepResult:
     grad_norm: float
     finite: bool
     per_task: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class PendingStep:
+    """A step queued on the device whose loss and gradient norm were not read yet (:meth:`Run.queue_step`).
+
+    ``values`` is ``[loss averaged over ranks, dense grad norm]`` (float32, on the device); the optimizers
+    already skipped the update on the device if either is non-finite. :meth:`result` reads them: the one
+    host sync of the step, which the caller may put after queueing the next step."""
+
+    values: Tensor
+    per_task: dict[str, Tensor]
+
+    def result(self) -> StepResult:
+        loss_value, norm = self.values.tolist()
+        finite = math.isfinite(loss_value) and math.isfinite(norm)
+        return StepResult(loss_value, norm, finite, self.per_task)
+
+
+def skips_on_device(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` skips its update on the device when its ``found_inf`` attribute (a float32 0-d
+    tensor, as ``torch.amp.GradScaler`` sets it) is 1: fused Adam/AdamW and :class:`RowWiseAdagrad`."""
+    from gem_train.optim import RowWiseAdagrad
+
+    if isinstance(opt, RowWiseAdagrad):
+        return True
+    return isinstance(opt, torch.optim.Adam | torch.optim.AdamW) and bool(opt.defaults.get("fused"))
 
 
 @dataclass
@@ -109,6 +136,11 @@ class Run:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
+    @property
+    def can_queue_steps(self) -> bool:
+        """Whether :meth:`queue_step` can run: every optimizer skips a non-finite step on the device."""
+        return bool(self.optimizers) and all(skips_on_device(o) for o in self.optimizers)
+
     def train_step(self, batch: GemBatch, step: int) -> StepResult:
         """One training step on ``batch`` (on the device) at 0-based ``step``: learning rate, forward,
         loss, backward, clipping, and the optimizer steps, unless the loss or the gradient norm is NaN/Inf
@@ -117,8 +149,44 @@ class Run:
 
         The loss and the dense gradient norm are read together, after the backward was queued: one host
         sync per step. Each rank's loss is the mean over its own batch; the gradients are averaged over
-        the ranks (FSDP2/DDP), so the step minimises the mean of the ranks' losses.
+        the ranks (FSDP2/DDP), so the step minimises the mean of the ranks' losses. Where the optimizers
+        can skip on the device (:attr:`can_queue_steps`) this is ``queue_step(...).result()``.
         """
+        if self.can_queue_steps:
+            return self.queue_step(batch, step).result()
+        loss, per_task = self._forward_backward(batch, step)
+        loss_value, gnorm = self._step_values(loss.detach(), self._clip()).tolist()
+        finite = math.isfinite(loss_value) and math.isfinite(gnorm)
+        if finite:
+            self._optimizer_steps()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return StepResult(loss_value, gnorm, finite, per_task)
+
+    def queue_step(self, batch: GemBatch, step: int) -> PendingStep:
+        """:meth:`train_step` without its host sync: the step is queued on the device and returned unread.
+
+        The non-finite check runs on the device: the optimizers get ``found_inf`` (1 if the loss or the
+        gradient norm is NaN/Inf on some rank) and skip their update there, as under ``GradScaler``. So the
+        host can queue step ``k + 1`` before reading step ``k``'s loss, and the GPU never waits for it.
+        Needs :attr:`can_queue_steps` (fused AdamW: ``optim.adamw_impl``, auto on CUDA)."""
+        if not self.can_queue_steps:
+            raise RuntimeError(
+                "queue_step needs optimizers that skip on the device (fused AdamW, RowWiseAdagrad); got "
+                + ", ".join(type(o).__name__ for o in self.optimizers)
+            )
+        loss, per_task = self._forward_backward(batch, step)
+        values = self._step_values(loss.detach(), self._clip())
+        found_inf = (~torch.isfinite(values).all()).to(torch.float32)
+        for opt in self.optimizers:
+            # Read by fused Adam/AdamW (torch's GradScaler hook) and RowWiseAdagrad.
+            setattr(opt, "found_inf", found_inf)  # noqa: B010
+        self._optimizer_steps()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return PendingStep(values, per_task)
+
+    def _forward_backward(self, batch: GemBatch, step: int) -> tuple[Tensor, dict[str, Tensor]]:
         cfg = self.cfg
         if self.dense_opt is not None:
             o = cfg.optim
@@ -127,19 +195,16 @@ class Run:
             logits = self.train_model(batch)
         loss, per_task = multitask_loss(logits, batch)
         loss.backward()
-        loss_value, gnorm = self._step_values(loss.detach(), self._clip())
-        finite = math.isfinite(loss_value) and math.isfinite(gnorm)
-        if finite:
-            for opt in self.optimizers:
-                opt.step()
-            if self.layout.sparse is not None:
-                self.layout.sparse.step()  # 2D: the replicas' sync every sync_every steps
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        return StepResult(loss_value, gnorm, finite, per_task)
+        return loss, per_task
 
-    def _step_values(self, loss: Tensor, grad_norm: Tensor) -> tuple[float, float]:
-        """``(loss, grad_norm)`` as floats in one device-to-host copy; the loss averaged over ranks.
+    def _optimizer_steps(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+        if self.layout.sparse is not None:
+            self.layout.sparse.step()  # 2D: the replicas' sync every sync_every steps
+
+    def _step_values(self, loss: Tensor, grad_norm: Tensor) -> Tensor:
+        """``[loss, grad_norm]`` (float32, on the device); the loss averaged over ranks.
 
         Every rank must agree on skipping/stopping: a NaN anywhere is a NaN everywhere. The gradient norm
         is the same on every rank after the gradient all-reduce, so averaging it changes nothing."""
@@ -147,8 +212,7 @@ class Run:
         if self.dist.world_size > 1:
             dist.all_reduce(x, op=dist.ReduceOp.SUM)
             x = x / self.dist.world_size
-        loss_value, norm = x.tolist()
-        return loss_value, norm
+        return x
 
     def _clip(self) -> Tensor:
         """Clip the dense gradients (``optim.grad_clip``; 0 = no clipping) and return their total norm."""

@@ -15,7 +15,6 @@ computes the same losses, bit for bit on the CPU, as one that never stopped.
 from __future__ import annotations
 
 import datetime as _dt
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from gem_model import GemBatch
 from gem_train.checkpoint import best_checkpoint, load_checkpoint, wait_for_checkpoints
 from gem_train.checkpoint_keeper import (
     CheckpointKeeper,
@@ -38,10 +38,10 @@ from gem_train.data.balance_state import BalancerPosition, balancer_extra, resum
 from gem_train.data.split import HeldOutSplit
 from gem_train.evaluation import EvalResult, EvaluationInterrupted, evaluate_model
 from gem_train.logger import MetricsLogger, truncate_metrics
-from gem_train.non_finite import NonFiniteLossError, handle_non_finite
+from gem_train.non_finite import NonFiniteLossError, handle_non_finite, step_is_boundary
 from gem_train.prefetch import DevicePrefetcher
 from gem_train.report import final_evaluation
-from gem_train.run import Run, build_run
+from gem_train.run import PendingStep, Run, StepResult, build_run
 from gem_train.run_dir import resolve_resume, shared_run_dir
 from gem_train.selection import BestSelection
 from gem_train.signals import StopNow, StopSignals
@@ -245,6 +245,29 @@ class Trainer:
             self.dist.is_main,
         )  # fmt: skip
 
+    def _account(
+        self, step: int, out: StepResult | PendingStep, batch: GemBatch, window: TrainWindow
+    ) -> bool:
+        """Book (1-based) ``step``'s result: False if it was non-finite (skipped, or raises by the NaN
+        policy), else confirm the newest checkpoint and add the step to the loss list and the log window."""
+        if isinstance(out, PendingStep):
+            out = out.result()
+        if not out.finite:  # raises, or skips this batch (and counts it)
+            self.skipped = handle_non_finite(
+                step,
+                out.loss,
+                out.grad_norm,
+                self.skipped,
+                self.cfg.train,
+                self.checkpoints,
+                self.dist.is_main,
+            )
+            return False
+        self.checkpoints.confirm()  # this finite step was computed from the newest checkpoint
+        self.losses.append(out.loss)
+        window.add(out.per_task, batch, out.loss)
+        return True
+
     def _train_loop(self, stop_after: int | None) -> tuple[int, str]:
         """Steps from ``start_step`` to ``train.steps``; returns the last step and the status."""
         cfg, d, r = self.cfg, self.dist, self.setup
@@ -265,12 +288,17 @@ class Trainer:
         count_flops = r.built.flops if cuda else None
         # Batches pinned by the loader, copied one step ahead on a side stream (gem_train.prefetch). On
         # CUDA a host thread also receives them from the loader's workers (tens of ms per base-h200 batch)
-        # and counts their FLOPs while the GPU runs the current step: each step ends with a host sync, so
-        # host work between two steps is GPU idle time.
+        # and counts their FLOPs while the GPU runs the current step (a step whose loss is read at once
+        # ends with a host sync: host work after it is GPU idle time).
         counted = ((lb, count_flops(lb.batch) if count_flops else 0) for lb in loader)
         it = DevicePrefetcher(
             counted, self.device, select=lambda item: item[0].batch, host_ahead=HOST_AHEAD if cuda else 0
         )
+        # With optimizers that skip non-finite steps on the device (fused AdamW: CUDA's default), a step
+        # that no log, evaluation, checkpoint or stop follows is left unread: its loss is read after the next
+        # step is queued, so the GPU never idles on the host between two steps.
+        overlap = cfg.train.overlap_steps and r.can_queue_steps
+        pending: tuple[int, PendingStep, GemBatch] | None = None
         try:
             if self._should_stop():
                 status = "interrupted"
@@ -279,20 +307,24 @@ class Trainer:
                 if isinstance(loader, BalancedTrainStream):  # its state as of this batch, for checkpoints
                     self.balancer.state = loader.state_after(lb.index)
                 window.flops += flops
-                out = r.train_step(batch, step)
+                queued = r.queue_step(batch, step) if overlap else None
+                out = r.train_step(batch, step) if queued is None else None
                 step += 1
                 bar.update(1)
-                if not out.finite:
-                    bad_loss = not math.isfinite(out.loss)
-                    what = f"loss {out.loss}" if bad_loss else f"dense grad norm {out.grad_norm}"
-                    # Raises, or skips this batch (and counts it).
-                    self.skipped = handle_non_finite(
-                        step, what, self.skipped, cfg.train, self.checkpoints, d.is_main
-                    )
+                if pending is not None:  # the previous step, read while the device runs this one
+                    self._account(*pending, window)
+                    pending = None
+                if queued is not None:
+                    if (
+                        not step_is_boundary(cfg.train, cfg.checkpoint.every, step, stop_after)
+                        and not self._should_stop()
+                    ):
+                        pending = (step, queued, batch)
+                        continue
+                    out = queued.result()
+                assert out is not None
+                if not self._account(step, out, batch, window):
                     continue
-                self.checkpoints.confirm()  # this finite step was computed from the newest checkpoint
-                self.losses.append(out.loss)
-                window.add(out.per_task, batch, out.loss)
 
                 if step % cfg.train.log_every == 0 or step == total:
                     log_train(step, window, bar, self.logger, r)

@@ -155,6 +155,10 @@ class TrainerConfig:
     peak_flops: float = 0.0  # MFU denominator; 0: look the device up in gem_train.mfu.PEAK_FLOPS
     progress_bar: bool = True
     compile: bool = False  # torch.compile the model
+    # Read a step's loss after queueing the next one (no host sync between two steps) where the optimizers
+    # skip non-finite steps on the device (fused AdamW: optim.adamw_impl, auto on CUDA); false: read each
+    # step's loss before the next.
+    overlap_steps: bool = True
 
     def validate(self, key: str = "train") -> None:
         _int_in(f"{key}.steps", self.steps, 1)
