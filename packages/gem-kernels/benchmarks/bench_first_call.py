@@ -121,9 +121,7 @@ def main() -> None:
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {CASES}")
     p.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke test)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per process")
-    p.add_argument(
-        "--candidates", type=int, help="GEM_KERNELS_TUNE_CANDIDATES (default: 1 on sm_90, else 2)"
-    )
+    p.add_argument("--candidates", type=int, help="GEM_KERNELS_TUNE_CANDIDATES (default: 1 on sm_90, else 2)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "first_call.json"))
     a = p.parse_args()
