@@ -70,8 +70,8 @@ def _on_sm90() -> bool:
 
 def tune_candidates() -> int:
     """Candidates per kernel timed on a new bucket: ``GEM_KERNELS_TUNE_CANDIDATES`` if set, else 1 on
-    sm_90 (each list starts with the H200's measured pick: on base-h200 timing a second one bought nothing,
-    a step of 136.0 ms with one against 140.7 with two, and cut the cold warm-up from 151 to 54 s), else 2."""
+    sm_90 (each list starts with the H200's measured pick: on base-h200 a second one bought nothing, a step
+    of 141.8 ms with one against 143.0 with two, and one cut the cold warm-up from 156 to 119 s), else 2."""
     if TUNE_CANDIDATES is not None:
         return TUNE_CANDIDATES
     return 1 if _on_sm90() else 2
