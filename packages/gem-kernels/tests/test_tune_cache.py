@@ -102,6 +102,31 @@ def test_second_autotuner_reads_the_choice_and_times_nothing(cache: Path) -> Non
 
 
 @needs_triton
+def test_reset_to_zero_zeroes_the_counter_before_every_timed_run_and_the_final_one(cache: Path) -> None:
+    """The persistent attention kernels consume a work counter: each timed run and the launch after the
+    timing must find it zeroed (``reset_to_zero`` reaches Triton's autotuner)."""
+    import torch
+    import triton
+
+    seen: list[float] = []
+
+    class CountingKernel(FakeKernel):
+        def run(self, *args: Any, grid: Any = None, warmup: bool = False, **kwargs: Any) -> None:
+            super().run(*args, grid=grid, warmup=warmup, **kwargs)
+            seen.append(float(args[0].sum()))
+            args[0].fill_(5.0)  # the kernel claims all the work
+
+    kernel = CountingKernel()
+    configs = [triton.Config({"BLOCK": b}, num_warps=4, num_stages=2) for b in TIMES]
+    tuned = tune_cache.autotune(
+        "fake_reset", kernel, configs, ["n"], bench=FakeTimer(kernel), reset_to_zero=["x"]
+    )
+    counter = torch.full((2,), 5.0)
+    tuned[(1,)](counter, 100)
+    assert seen == [0.0] * 4  # three timed runs and the final launch, each from zero
+
+
+@needs_triton
 def test_pruned_to_one_candidate_is_not_timed(cache: Path) -> None:
     tuned, kernel, timer = _tuned(prune=lambda configs, named_args, **kw: configs[:1])
     _launch(tuned)
@@ -280,7 +305,9 @@ def test_attention_candidates_by_shape_and_dtype_class(kernel: str, monkeypatch:
 
     from gem_kernels.triton_kernels import attention as ta
 
-    monkeypatch.setattr(ta, "TUNE_CANDIDATES", 2)  # the count is its own test's; the lists are this one's
+    monkeypatch.setattr(
+        tune_cache, "TUNE_CANDIDATES", 2
+    )  # the count is its own test's; the lists are this one's
     configs = {
         (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in ta._configs(kernel)
     }
@@ -316,14 +343,14 @@ def test_tune_candidates_default_is_one_on_sm90_else_two(monkeypatch: pytest.Mon
 
     from gem_kernels.triton_kernels import attention as ta
 
-    monkeypatch.setattr(ta, "TUNE_CANDIDATES", None)  # GEM_KERNELS_TUNE_CANDIDATES unset
+    monkeypatch.setattr(tune_cache, "TUNE_CANDIDATES", None)  # GEM_KERNELS_TUNE_CANDIDATES unset
     for sm90, want in ((True, 1), (False, 2)):
-        monkeypatch.setattr(ta, "_on_sm90", lambda sm90=sm90: sm90)
-        assert ta.tune_candidates() == want
+        monkeypatch.setattr(tune_cache, "_on_sm90", lambda sm90=sm90: sm90)
+        assert tune_cache.tune_candidates() == want
         got = ta.candidates_for("fwd", 4096, 4096, torch.bfloat16, 128, 128, H200_SMEM)
         assert got == ta._CANDIDATES["fwd"]["general"][:want]
-    monkeypatch.setattr(ta, "TUNE_CANDIDATES", 3)  # the variable wins on any device
-    assert ta.tune_candidates() == 3
+    monkeypatch.setattr(tune_cache, "TUNE_CANDIDATES", 3)  # the variable wins on any device
+    assert tune_cache.tune_candidates() == 3
 
 
 @needs_triton
@@ -332,7 +359,7 @@ def test_tune_candidates_one_compiles_the_first_pick_only(monkeypatch: pytest.Mo
 
     from gem_kernels.triton_kernels import attention as ta
 
-    monkeypatch.setattr(ta, "TUNE_CANDIDATES", 1)
+    monkeypatch.setattr(tune_cache, "TUNE_CANDIDATES", 1)
     for kernel in ("fwd", "dq", "dkdv"):
         (only,) = ta.candidates_for(kernel, 4096, 4096, torch.bfloat16, 128, 128, H200_SMEM)
         assert only == ta._CANDIDATES[kernel]["general"][0]

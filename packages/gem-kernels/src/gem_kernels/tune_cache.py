@@ -31,6 +31,7 @@ config, and ``do_bench`` skips the timing of a lone cached config and records th
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -53,6 +54,31 @@ SCHEMA = 1
 _OFF = ("0", "off", "none", "false", "no", "disable", "disabled")
 # A bench function as ``triton.autotune(do_bench=...)`` calls it: (kernel_call, quantiles) -> times (ms).
 Bench = Callable[[Callable[[], Any], Sequence[float]], list[float]]
+
+
+# At most this many candidates per kernel are compiled and timed for a new bucket (the first listed, the
+# H200's pick, first): 1 times nothing. Each costs a compilation (~2 s on the H200's host) on a first call.
+# Unset: :func:`tune_candidates` (1 on sm_90, where the lists were tuned, else 2).
+_env_candidates = os.environ.get("GEM_KERNELS_TUNE_CANDIDATES")
+TUNE_CANDIDATES: int | None = int(_env_candidates) if _env_candidates else None
+if TUNE_CANDIDATES is not None and TUNE_CANDIDATES < 1:
+    raise ValueError(f"GEM_KERNELS_TUNE_CANDIDATES must be >= 1, got {TUNE_CANDIDATES}")
+
+
+@functools.cache
+def _on_sm90() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def tune_candidates() -> int:
+    """Candidates per kernel timed on a new bucket: ``GEM_KERNELS_TUNE_CANDIDATES`` if set, else 1 on
+    sm_90 (each list starts with the H200's measured pick: on base-h200 a second one bought nothing, a step
+    of 141.8 ms with one against 143.0 with two, and one cut the cold warm-up from 156 to 119 s), else 2."""
+    if TUNE_CANDIDATES is not None:
+        return TUNE_CANDIDATES
+    return 1 if _on_sm90() else 2
 
 
 def cache_dir() -> Path | None:
@@ -274,9 +300,11 @@ def autotune(
     key: list[str],
     prune: Callable[..., list[Any]] | None = None,
     bench: Bench | None = None,
+    reset_to_zero: list[str] | None = None,
 ) -> Any:
     """``triton.autotune(configs, key)(kernel)`` whose choices persist (see :class:`PersistentTuning`).
 
+    ``reset_to_zero``: argument names zeroed before each timed run (Triton's option: a work counter).
     The hooks are reachable as ``result.persistent`` (tests count ``result.persistent.timed``)."""
     import triton
 
@@ -286,6 +314,7 @@ def autotune(
         key=key,
         prune_configs_by={"early_config_prune": tuning.early_config_prune},
         do_bench=tuning.do_bench,
+        reset_to_zero=reset_to_zero,
     )(kernel)
     tuned.persistent = tuning
     return tuned

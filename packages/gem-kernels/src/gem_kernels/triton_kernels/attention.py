@@ -10,6 +10,8 @@ sequence and head, the short side in registers, the long side streamed): the for
 the fused backward of ``short_kv`` and ``few_q``. ``GEM_KERNELS_ATTENTION_VARIANT`` (or
 :func:`force_variant`) picks ``tiled``, ``onetile``, or ``auto`` (the default): on CUDA the first call of
 each bucket times both implementations (each autotuned) and keeps the faster, like an autotuner over kernels.
+On Hopper, ``auto`` also runs the general shape class on the persistent TMA kernels
+(:mod:`.attention_persistent_launch`) where they measured faster: see :func:`auto_persistent_variant`.
 
 Both kinds of choice persist across processes (:mod:`gem_kernels.tune_cache`: ``~/.cache/gem/kernels``,
 ``GEM_KERNELS_CACHE``), and only a few candidates per shape and dtype class are compiled at all
@@ -25,7 +27,6 @@ and implementations with :func:`force_variant`, or tune as on CUDA with :func:`t
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -44,6 +45,7 @@ from gem_kernels.triton_kernels.attention_onetile import (
     bwd_short_kv_kernel,
     fwd_short_kv_kernel,
 )
+from gem_kernels.tune_cache import tune_candidates
 
 # Triton objects (kernels, autotuners, configs) are untyped: Any. Constexpr values by name:
 Consts = dict[str, Any]
@@ -54,31 +56,12 @@ UNBOUNDED = 1 << 30
 SHORT_KV = 64  # cross-attention with at most this many keys per sequence
 FEW_Q = 32  # PMA-style pooling with at most this many queries per sequence
 
-# At most this many candidates per kernel are compiled and timed for a new bucket (the first listed, the
-# H200's pick, first): 1 times nothing. Each costs a compilation (~2 s on the H200's host) on a first call.
-# Unset: :func:`tune_candidates` (1 on sm_90, where the lists were tuned, else 2).
-_env_candidates = os.environ.get("GEM_KERNELS_TUNE_CANDIDATES")
-TUNE_CANDIDATES: int | None = int(_env_candidates) if _env_candidates else None
-if TUNE_CANDIDATES is not None and TUNE_CANDIDATES < 1:
-    raise ValueError(f"GEM_KERNELS_TUNE_CANDIDATES must be >= 1, got {TUNE_CANDIDATES}")
-
-
-@functools.cache
-def _on_sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-def tune_candidates() -> int:
-    """Candidates per kernel timed on a new bucket: ``GEM_KERNELS_TUNE_CANDIDATES`` if set, else 1 on
-    sm_90 (each list starts with the H200's measured pick: on base-h200 a second one bought nothing, a step
-    of 141.8 ms with one against 143.0 with two, and one cut the cold warm-up from 156 to 119 s), else 2."""
-    if TUNE_CANDIDATES is not None:
-        return TUNE_CANDIDATES
-    return 1 if _on_sm90() else 2
+# Candidates per kernel timed on a new bucket: :func:`gem_kernels.tune_cache.tune_candidates`.
 _forced: tuple[int, int] | None = None
 _tune_interpreted = False  # tests: autotune (and choose variants) under the interpreter too
 _forced_variant: str | None = None
-# "persistent", "tma", "tma_ws": the persistent-grid kernels (:mod:`.attention_persistent_launch`), opt-in.
+# "persistent", "tma", "tma_ws": the persistent-grid kernels (:mod:`.attention_persistent_launch`), forced;
+# "auto" takes "tma" where :func:`auto_persistent_variant` says it wins.
 PERSISTENT_VARIANTS = ("persistent", "tma", "tma_ws")
 VARIANTS = ("tiled", "onetile", "auto", *PERSISTENT_VARIANTS)
 # "auto": where a one-tile kernel applies, time it against the tiled kernels once per bucket and keep the
@@ -86,6 +69,45 @@ VARIANTS = ("tiled", "onetile", "auto", *PERSISTENT_VARIANTS)
 DEFAULT_VARIANT = os.environ.get("GEM_KERNELS_ATTENTION_VARIANT", "auto")
 if DEFAULT_VARIANT not in VARIANTS:
     raise ValueError(f"GEM_KERNELS_ATTENTION_VARIANT must be one of {VARIANTS}, got {DEFAULT_VARIANT!r}")
+
+
+def auto_persistent_variant(
+    direction: str, kind: str, band_kind: int, dtype: torch.dtype, capability: tuple[int, int] | None,
+    tma_ok: bool,
+) -> str | None:
+    """The persistent variant ``auto`` runs instead of the tiled kernels, or None (keep them).
+
+    ``direction`` is "fwd" or "bwd"; ``kind`` the :func:`shape_class`; ``band_kind`` 0 for no mask, 1 causal,
+    2 a window; ``capability`` the CUDA device's (None off CUDA or under the interpreter); ``tma_ok`` whether
+    :func:`.attention_persistent_launch.tma_supported` holds for the tensors. The rule is what the H200
+    measured (2026-12-04, B=64 log-normal lengths <= 4096, H=4, D=128, bf16, same run; BENCHMARKS.md):
+    the TMA forward won everywhere (causal softmax 0.612 against 0.678 ms, GDPA silu 0.883 against 1.142),
+    the TMA backward won without a mask (GDPA silu 2.71 against 3.53 ms) and lost with the causal band
+    (2.25 against 2.15), so a masked backward keeps the tiled kernels. Only sm_90 (where it was measured),
+    16-bit inputs (the fp32 tiles were not timed) and the general class (cross/PMA have one-tile kernels).
+    """
+    if capability != (9, 0) or not tma_ok or kind != "general":
+        return None
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if direction == "bwd" and band_kind != 0:
+        return None
+    return "tma"
+
+
+def _resolved_variant(
+    direction: str, q: torch.Tensor, buckets: tuple[int, int, int, int], *tensors: torch.Tensor
+) -> str:
+    """The forced or default variant, with ``auto`` turned into a persistent one where it wins."""
+    variant = _forced_variant or DEFAULT_VARIANT
+    if variant != "auto" or triton_interpreted() or q.device.type != "cuda":
+        return variant
+    from gem_kernels.triton_kernels.attention_persistent_launch import tma_supported
+
+    kind = shape_class(buckets[1], buckets[2])
+    capability = torch.cuda.get_device_capability(q.device)
+    tma_ok = tma_supported(*tensors)
+    return auto_persistent_variant(direction, kind, buckets[3], q.dtype, capability, tma_ok) or variant
 
 
 @contextlib.contextmanager
@@ -398,7 +420,7 @@ def attention_fwd(
     if q.shape[0] == 0 or batch == 0 or heads == 0:
         return out, lse
     left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
-    if (variant := _forced_variant or DEFAULT_VARIANT) in PERSISTENT_VARIANTS:
+    if (variant := _resolved_variant("fwd", q, buckets, q, k, v)) in PERSISTENT_VARIANTS:
         from gem_kernels.triton_kernels import attention_persistent_launch as tp
 
         tp.attention_fwd(q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, left, right, qk_scale,
@@ -442,7 +464,7 @@ def attention_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     dout, out = dout.contiguous(), out.contiguous()  # dO is addressed with O's strides
     left, right, buckets, consts = _setup(q, v, q_offsets, max_q_len, max_kv_len, activation, left, right)
-    if (variant := _forced_variant or DEFAULT_VARIANT) in PERSISTENT_VARIANTS:
+    if (variant := _resolved_variant("bwd", q, buckets, q, k, v, dout)) in PERSISTENT_VARIANTS:
         from gem_kernels.triton_kernels import attention_persistent_launch as tp
 
         tp.attention_bwd(dout, q, k, v, out, lse, dq, dk, dv, q_offsets, kv_offsets, max_q_len, max_kv_len,

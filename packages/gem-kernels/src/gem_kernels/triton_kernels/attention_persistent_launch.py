@@ -1,14 +1,20 @@
 """Launchers of the persistent jagged attention kernels (:mod:`.attention_persistent`).
 
-Variants (picked with ``GEM_KERNELS_ATTENTION_VARIANT`` or ``triton_attention.force_variant``; opt-in, the
-tiled kernels stay the default): ``persistent`` (pointer loads), ``tma`` (TMA descriptor loads where the
-device and layout allow, else the pointer loads), ``tma_ws`` (``tma`` plus automatic warp specialization of
-the inner loops). TMA needs compute capability >= 9 (or the interpreter, which emulates descriptors), head
-dims that are powers of two (>= 16), heads packed in rows (``stride(1) == D``) and 16-byte aligned rows.
+Variants (picked with ``GEM_KERNELS_ATTENTION_VARIANT`` or ``triton_attention.force_variant``; the
+``auto`` default takes ``tma`` where :func:`.attention.auto_persistent_variant` says so):
+``persistent`` (pointer loads), ``tma`` (TMA descriptor loads where the device and layout allow, else the
+pointer loads), ``tma_ws`` (``tma`` plus automatic warp specialization of the inner loops, on compute
+capability >= 10 only: Triton 3.6's warp-specialization pass aborts on these kernels for sm_90, and 3.7
+makes no partition there, so on Hopper ``tma_ws`` runs as ``tma``). TMA needs compute capability >= 9 (or
+the interpreter, which emulates descriptors), head dims that are powers of two (>= 16), heads packed in
+rows (``stride(1) == D``) and 16-byte aligned rows.
 
 Each kernel's outer tile is fixed (128 rows; the schedule depends on it, so it cannot be autotuned with
-the rest): the autotuner picks the inner tile, warps and stages. The grid is ``PROGRAMS_PER_SM`` programs
-per SM (``GEM_KERNELS_PERSISTENT_PROGRAMS_PER_SM``, default 2), capped by the number of items.
+the rest): the autotuner picks the inner tile, warps and stages, from the first
+:func:`gem_kernels.tune_cache.tune_candidates` entries of each list (the H200's pick first), and the
+choice persists on disk like the tiled kernels' (:mod:`gem_kernels.tune_cache`). The grid is
+``PROGRAMS_PER_SM`` programs per SM (``GEM_KERNELS_PERSISTENT_PROGRAMS_PER_SM``, default 2), capped by the
+number of items.
 """
 
 # fmt: off
@@ -23,6 +29,7 @@ from typing import Any
 import torch
 import triton
 
+from gem_kernels import tune_cache
 from gem_kernels.dispatch import triton_interpreted
 from gem_kernels.triton_kernels.attention_persistent import (
     dkdv_persistent_kernel,
@@ -40,13 +47,19 @@ INTERPRETER_PROGRAMS = 3  # a few programs, each looping over several items, und
 launches: collections.Counter[tuple[str, str]] = collections.Counter()
 
 # (inner block, num_warps, num_stages) per kernel; the inner block is BLOCK_N for fwd/dq, BLOCK_M for dkdv.
+# First: the H200's pick for the TMA kernels over all four (2026-12-04, B=64 log-normal, H=4, D=128, bf16:
+# fwd 64 for GDPA silu and 128 for causal softmax, dq 64 and dkdv 64 for both, all 8 warps, 3 stages).
 _CANDIDATES = {
-    "fwd": [(128, 8, 3), (64, 8, 3), (64, 4, 3), (128, 8, 2)],
+    "fwd": [(64, 8, 3), (128, 8, 3), (64, 4, 3), (128, 8, 2)],
     "dq": [(64, 8, 3), (32, 4, 4), (64, 4, 3)],
-    "dkdv": [(32, 4, 4), (64, 8, 3), (64, 4, 3)],
+    "dkdv": [(64, 8, 3), (32, 4, 4), (64, 4, 3)],
 }
 _KEY = ["bucket_b", "bucket_q", "bucket_kv", "band_kind", "ACT", "D", "DV", "PRECISION", "FAST_ACT",
         "USE_TMA", "WS"]
+
+
+def _first_candidates(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    return configs[: tune_cache.tune_candidates()]
 
 
 def _tuned(kernel: str, fn: Any) -> Any:
@@ -55,7 +68,8 @@ def _tuned(kernel: str, fn: Any) -> Any:
     configs = [triton.Config({outer: OUTER_BLOCK, inner: blk}, num_warps=w, num_stages=st)
                for blk, w, st in _CANDIDATES[kernel]]
     # The work counter is consumed by each run: zero it before every timed run and the final one.
-    return triton.autotune(configs, key=_KEY, reset_to_zero=["counter"])(fn)
+    return tune_cache.autotune(f"persistent_{kernel}", fn, configs, _KEY, prune=_first_candidates,
+                               reset_to_zero=["counter"])
 
 
 _fwd_tuned = _tuned("fwd", fwd_persistent_kernel)
@@ -119,11 +133,22 @@ def _run(name: str, tuned: Any, raw: Any, outer: torch.Tensor, inner: torch.Tens
         raw[grid](*args, BLOCK_M=blocks[0], BLOCK_N=blocks[1], **consts)
 
 
+def warp_specialization_supported(device: torch.device) -> bool:
+    """Whether ``tma_ws`` warp-specializes on ``device``: compute capability >= 10 (or the interpreter).
+
+    On sm_90 Triton 3.6's pass aborts on these kernels (H200, 2026-12-04: "UNREACHABLE executed at
+    WarpSpecialization/TaskIdPropagation.cpp") and 3.7 builds no partition, so Hopper runs plain TMA."""
+    if triton_interpreted():
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+
+
 def _consts(consts: Consts, variant: str, *tensors: torch.Tensor) -> Consts:
     if variant not in VARIANTS:
         raise ValueError(f"persistent variant must be one of {VARIANTS}, got {variant!r}")
     use_tma = variant != "persistent" and tma_supported(*tensors)
-    return {**consts, "USE_TMA": use_tma, "WS": variant == "tma_ws" and use_tma}
+    ws = variant == "tma_ws" and use_tma and warp_specialization_supported(tensors[0].device)
+    return {**consts, "USE_TMA": use_tma, "WS": ws}
 
 
 def attention_fwd(

@@ -1,0 +1,87 @@
+"""Which kernels ``GEM_KERNELS_ATTENTION_VARIANT=auto`` runs (CPU): the persistent TMA kernels only where the
+H200 measured them faster (sm_90, 16-bit inputs, the general shape class; the backward only without a
+mask), the tiled or one-tile kernels everywhere else, and never on the CPU or under the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from gem_kernels.triton_kernels import attention as ta
+from gem_kernels.triton_kernels.attention_persistent_launch import (
+    _consts,
+    warp_specialization_supported,
+)
+
+H100 = (9, 0)
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "direction,kind,band,dtype,cap,tma_ok,expected",
+    [
+        ("fwd", "general", 0, BF16, H100, True, "tma"),
+        ("fwd", "general", 1, BF16, H100, True, "tma"),  # causal forward: TMA won (0.612 vs 0.678 ms)
+        ("fwd", "general", 2, torch.float16, H100, True, "tma"),
+        ("bwd", "general", 0, BF16, H100, True, "tma"),  # unmasked backward: TMA won (2.71 vs 3.53 ms)
+        ("bwd", "general", 1, BF16, H100, True, None),  # causal backward: the tiled kernels won
+        ("bwd", "general", 2, BF16, H100, True, None),
+        ("fwd", "general", 0, torch.float32, H100, True, None),  # fp32 tiles never timed
+        ("fwd", "short_kv", 0, BF16, H100, True, None),  # one-tile kernels' class
+        ("bwd", "few_q", 0, BF16, H100, True, None),
+        ("fwd", "general", 0, BF16, H100, False, None),  # layout TMA cannot address
+        ("fwd", "general", 0, BF16, (8, 0), True, None),  # no TMA before Hopper
+        ("fwd", "general", 0, BF16, (10, 0), True, None),  # not measured on Blackwell
+        ("fwd", "general", 0, BF16, None, True, None),
+    ],
+)
+def test_auto_persistent_variant_rule(direction, kind, band, dtype, cap, tma_ok, expected):
+    assert ta.auto_persistent_variant(direction, kind, band, dtype, cap, tma_ok) == expected
+
+
+def test_auto_resolves_to_itself_on_the_cpu_and_forced_variants_win():
+    q = torch.zeros(8, 2, 16, dtype=BF16)
+    buckets = (1, 8, 8, 0)
+    assert ta._resolved_variant("fwd", q, buckets, q, q, q) == ta.DEFAULT_VARIANT
+    with ta.force_variant("persistent"):
+        assert ta._resolved_variant("fwd", q, buckets, q, q, q) == "persistent"
+    with ta.force_variant("tiled"):
+        assert ta._resolved_variant("bwd", q, buckets, q, q, q) == "tiled"
+
+
+def test_warp_specialization_only_where_supported(monkeypatch):
+    """``tma_ws`` asks for warp specialization only on sm_100+ (Triton 3.6 aborts on sm_90)."""
+    import gem_kernels.triton_kernels.attention_persistent_launch as tp
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(tp, "triton_interpreted", lambda: False)
+    for cap, expected in [((9, 0), False), ((10, 0), True), ((8, 0), False)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
+        assert warp_specialization_supported(cuda) is expected
+    assert warp_specialization_supported(torch.device("cpu")) is False
+    monkeypatch.setattr(tp, "tma_supported", lambda *t: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    x = torch.zeros(4, 2, 16)
+    monkeypatch.setattr(tp, "warp_specialization_supported", lambda device: False)
+    assert _consts({}, "tma_ws", x) == {"USE_TMA": True, "WS": False}
+    monkeypatch.setattr(tp, "warp_specialization_supported", lambda device: True)
+    assert _consts({}, "tma_ws", x) == {"USE_TMA": True, "WS": True}
+    assert _consts({}, "tma", x) == {"USE_TMA": True, "WS": False}
+
+
+def test_persistent_autotuners_time_the_first_candidates_and_persist(monkeypatch):
+    """The persistent kernels tune like the tiled ones: at most ``tune_candidates()`` configs, the H200's
+    pick first, and their choices go through the on-disk cache."""
+    from gem_kernels import tune_cache
+    from gem_kernels.triton_kernels import attention_persistent_launch as tp
+
+    monkeypatch.setattr(tune_cache, "TUNE_CANDIDATES", 2)
+    assert tp._first_candidates(["a", "b", "c"], {}) == ["a", "b"]
+    monkeypatch.setattr(tune_cache, "TUNE_CANDIDATES", 1)
+    assert tp._first_candidates(["a", "b", "c"], {}) == ["a"]
+    for tuned in (tp._fwd_tuned, tp._dq_tuned, tp._dkdv_tuned):
+        assert isinstance(tuned.persistent, tune_cache.PersistentTuning)
+        assert tuned.reset_to_zero == ["counter"]
+    assert tp._CANDIDATES["fwd"][0] == (64, 8, 3) and tp._CANDIDATES["dkdv"][0] == (64, 8, 3)
