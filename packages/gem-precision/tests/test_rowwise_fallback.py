@@ -287,3 +287,35 @@ def test_cuda_fused_backward_equals_two_gemms():
     dx, dw = fp8_rowwise_dgrad_wgrad(dy, w, x)
     assert torch.equal(dx, fp8_rowwise_mm(dy, w, b_t=True))
     assert torch.equal(dw, fp8_rowwise_mm(dy, x, a_t=True, b_t=True))
+
+
+@pytest.mark.parametrize("fused_backward", [True, False])
+def test_fast_accumulation_only_in_the_forward_gemm_by_default(monkeypatch, fused_backward):
+    """torchao's default: ``use_fast_accum`` for the output GEMM only; dgrad and wgrad (K = the tokens)
+    accumulate in fp32 unless ``fp8_fast_accum_backward``. Every FP8 call is recorded with its flag."""
+    import gem_precision.linear as lin_mod
+    from gem_precision.rowwise import fp8_rowwise_dgrad_wgrad as real_both
+
+    calls: list[tuple[str, bool]] = []
+
+    def mm(a, b, *, a_t=False, b_t=False, use_fast_accum=True, **kw):
+        calls.append(("wgrad" if a_t else "dgrad" if b_t else "forward", use_fast_accum))
+        return fp8_rowwise_mm(a, b, a_t=a_t, b_t=b_t, use_fast_accum=use_fast_accum, **kw)
+
+    def both(dy, w, x, *, use_fast_accum=True, **kw):
+        calls.extend([("dgrad", use_fast_accum), ("wgrad", use_fast_accum)])
+        return real_both(dy, w, x, use_fast_accum=use_fast_accum, **kw)
+
+    monkeypatch.setattr(lin_mod, "fp8_rowwise_mm", mm)
+    monkeypatch.setattr(lin_mod, "fp8_rowwise_dgrad_wgrad", both)
+    layer = _layer(64, 48, seed=3)
+    x, g = torch.randn(40, 64), torch.randn(40, 48)
+    # Unfused: only dgrad in FP8 (wgrad bf16), so the layer calls fp8_rowwise_mm for it, not the fused op.
+    recipe = FP8 if fused_backward else Recipe(forward="fp8_rowwise", dgrad="fp8_rowwise", wgrad="bf16")
+    for backward_flag in (False, True):
+        calls.clear()
+        r = Recipe(**{**recipe.__dict__, "fp8_fast_accum_backward": backward_flag})
+        _run(r, layer, x, g)
+        fp8_backward = [("dgrad", backward_flag)] + ([("wgrad", backward_flag)] if fused_backward else [])
+        assert sorted(calls) == sorted([("forward", True), *fp8_backward]), calls
+    assert Recipe.fp8_rowwise().fp8_fast_accum and not Recipe.fp8_rowwise().fp8_fast_accum_backward

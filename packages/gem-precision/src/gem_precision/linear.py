@@ -68,7 +68,8 @@ def _gemm(
     """``A @ B.T`` for ``A [M, K]`` and ``B [N, K]`` given as ``(name, stored, transposed)``: the stored
     tensor is ``A`` (``B``), or its transpose when ``transposed``.
 
-    ``a_grad`` marks ``A`` as the output gradient (gradient element type, stochastic rounding). MX
+    ``a_grad`` marks ``A`` as the output gradient (gradient element type, stochastic rounding; for
+    fp8_rowwise also the backward's accumulation mode, ``Recipe.fp8_fast_accum_backward``). MX
     operands are memoized in ``cache`` by name (and K axis unless square), so a tensor quantized in
     forward is reused in backward.
     """
@@ -87,7 +88,7 @@ def _gemm(
             elem_dtype=r.grad_elem_dtype if a_grad else r.elem_dtype,
             b_elem_dtype=r.elem_dtype,
             out_dtype=out_dtype,
-            use_fast_accum=r.fp8_fast_accum,
+            use_fast_accum=r.fp8_fast_accum_backward if a_grad else r.fp8_fast_accum,
         )
     # mxfp8: quantize each stored tensor along K (axis 1 if it is stored [., K], else 0) and take the
     # transposed MXTensor view where needed: no copies.
@@ -173,7 +174,7 @@ class _MXLinearFn(torch.autograd.Function):
                 grad_elem_dtype=recipe.grad_elem_dtype,
                 elem_dtype=recipe.elem_dtype,
                 out_dtype=dtype,
-                use_fast_accum=recipe.fp8_fast_accum,
+                use_fast_accum=recipe.fp8_fast_accum_backward,
             )
             dx, dw = dx.reshape(ctx.x_shape), dw.to(weight.dtype)
         if dx is None and ctx.needs_input_grad[0]:

@@ -40,7 +40,14 @@ class Recipe:
             whose K is not a multiple of 32 runs without it.
         square_blocks: quantize x, w and dy once in 32x32 tiles and reuse them transposed in backward,
             instead of re-quantizing along each GEMM's K in 1x32 blocks (less work, coarser scales).
-        fp8_fast_accum: ``use_fast_accum`` of ``torch._scaled_mm`` for the fp8_rowwise GEMMs.
+        fp8_fast_accum: ``use_fast_accum`` of ``torch._scaled_mm`` for the forward fp8_rowwise GEMM (K =
+            in_features).
+        fp8_fast_accum_backward: the same for the dgrad and wgrad fp8_rowwise GEMMs. Off by default, as in
+            torchao's ``Float8LinearConfig`` (fast accumulation for the output GEMM only): Hopper's fast
+            mode keeps the whole K sum in the tensor cores' reduced-precision accumulator (about 14 bits,
+            DeepSeek-V3 report) instead of promoting to fp32, and wgrad's K is the token count (~10^5 on
+            base-h200). With it on for all three GEMMs, base-h200's 2,000-step test CTR NE was 3.1% worse
+            than bf16's (gem-train BENCHMARKS.md).
         block_size: MX block size.
     """
 
@@ -55,6 +62,7 @@ class Recipe:
     hadamard_seed: int = 0
     square_blocks: bool = False
     fp8_fast_accum: bool = True
+    fp8_fast_accum_backward: bool = False
     block_size: int = 32
 
     def __post_init__(self) -> None:
