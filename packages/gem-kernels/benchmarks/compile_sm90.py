@@ -3,10 +3,12 @@ made of them: TMA copies (``cp.async.bulk.tensor``), ``cp.async`` copies (softwa
 loads), ``wgmma`` instructions, shared memory, and ``setmaxnreg`` (present when warp specialization took).
 
 Catches compile errors of the Hopper-only paths (TMA descriptors, warp specialization) on a CPU machine;
-the installed Triton may differ from the one on the GPU. bf16, D = Dv = 128, 8 warps, 3 stages.
+the installed Triton may differ from the one on the GPU. bf16, D = Dv = 128, 8 warps, 3 stages. ``fp32``
+compiles the tiled kernels' fp32 candidates (exact products: FMA dots) and prints each one's compile time
+(the first-call cost of an fp32 bucket) and FMA count per thread, with ``--warps N`` to compare warp counts.
 
     export PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':')
-    python packages/gem-kernels/benchmarks/compile_sm90.py [fwd dq dkdv tiled]
+    python packages/gem-kernels/benchmarks/compile_sm90.py [fwd dq dkdv tiled fp32] [--warps N]
 """
 
 from __future__ import annotations
@@ -54,14 +56,18 @@ def divisible(fn: Any, sig: dict[str, str]) -> dict[tuple[int, ...], list[list[A
     }
 
 
-def report(label: str, fn: Any, consts: dict[str, Any]) -> None:
+def report(
+    label: str, fn: Any, consts: dict[str, Any], fp32: bool = False, num_warps: int = 8, num_stages: int = 3
+) -> None:
     t0 = time.time()
     sig = signature(fn, consts)
+    if fp32:
+        sig = {name: "*fp32" if ty == "*bf16" else ty for name, ty in sig.items()}
     try:
         k = triton.compile(
             ASTSource(fn, sig, consts, attrs=divisible(fn, sig)),
             target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=8, num_stages=3),
+            options=dict(num_warps=num_warps, num_stages=num_stages),
         )
     except Exception as e:
         print(f"{label}: FAIL {type(e).__name__}: {str(e)[:1000]}", flush=True)
@@ -71,7 +77,7 @@ def report(label: str, fn: Any, consts: dict[str, Any]) -> None:
         f"{label}: ok {time.time() - t0:.0f}s  tma {ptx.count('cp.async.bulk.tensor')}  "
         f"cp.async {ptx.count('cp.async.cg') + ptx.count('cp.async.ca')}  "
         f"wgmma {ptx.count('wgmma.mma_async')}  "
-        f"smem {k.metadata.shared}  setmaxnreg {ptx.count('setmaxnreg')}",
+        f"smem {k.metadata.shared}  setmaxnreg {ptx.count('setmaxnreg')}  fma {ptx.count('fma.rn.f32')}",
         flush=True,
     )
 
@@ -87,9 +93,31 @@ def main() -> None:
         "dq": (triton_bwd.dq_kernel, 128, 64),
         "dkdv": (triton_bwd.dkdv_kernel, 64, 128),
     }
-    which = sys.argv[1:] or [*persistent, "tiled"]
+    args = sys.argv[1:]
+    warps = None
+    if "--warps" in args:
+        i = args.index("--warps")
+        warps = int(args[i + 1])
+        del args[i : i + 2]
+    which = args or [*persistent, "tiled"]
     base = dict(D=128, DV=128, BLOCK_D=128, BLOCK_DV=128, PRECISION="tf32")
     for name in which:
+        if name == "fp32":
+            from gem_kernels.triton_kernels.attention import _CANDIDATES_FP32
+
+            seen = set()
+            for kname, classes in _CANDIDATES_FP32.items():
+                for cls, cands in classes.items():
+                    for bm, bn, w, st in cands:
+                        w = warps or w
+                        if (kname, bm, bn, w, st) in seen:
+                            continue
+                        seen.add((kname, bm, bn, w, st))
+                        consts = dict(base, PRECISION="ieee", ACT=0, BLOCK_M=bm, BLOCK_N=bn, FAST_ACT=False)
+                        report(
+                            f"fp32 {kname} {cls} {bm}x{bn} w{w} s{st}", tiled[kname][0], consts, True, w, st
+                        )
+            continue
         if name == "tiled":
             for kname, (fn, bm, bn) in tiled.items():
                 for act in (0, 1):
