@@ -305,9 +305,8 @@ def test_attention_candidates_by_shape_and_dtype_class(kernel: str, monkeypatch:
 
     from gem_kernels.triton_kernels import attention as ta
 
-    monkeypatch.setattr(
-        tune_cache, "TUNE_CANDIDATES", 2
-    )  # the count is its own test's; the lists are this one's
+    # The count is its own test's; the lists are this one's.
+    monkeypatch.setattr(tune_cache, "TUNE_CANDIDATES", 2)
     configs = {
         (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in ta._configs(kernel)
     }
