@@ -22,9 +22,9 @@ terms. Given what it knows, the CTR logit is ``known + eps`` with
 quadrature. Putting the true ``eps`` back must reproduce ``true_probs``: the script checks it to 1e-9 (which
 also checks the recomputation of every term from the batch and the world).
 
-How: nothing is added to the data generator. The history terms (``cat_share``, ``clicked_before``), the hour
-and the ids are recomputed from the batch of ``SyntheticAds.get`` and the world arrays as ``make_batch``
-computes them. Two things the outputs do not hold exactly are read back from the random streams by wrapping
+How: the generator draws nothing new for this. The history terms (``cat_share``, ``clicked_before``), the hour
+and the ids are recomputed from the batch of ``SyntheticAds.get`` and the world arrays (the history terms by
+the generator's own :func:`gem_train.data.synthetic.history_signals`). Two things the outputs do not hold exactly are read back from the random streams by wrapping
 ``np.random.default_rng`` while the world and each batch are built (recording every ``normal`` draw): the
 category vectors (``SyntheticAds`` keeps only ``item_vec`` and ``user_vec``; checked by rebuilding both
 exactly) and the float64 dense draws (the batch stores them as float32; checked against it).
@@ -152,26 +152,10 @@ def _ctr_terms(w: _World, split: str, index: int, batch_size: int) -> dict[str, 
     items = hist.item_ids.numpy().astype(np.int64)
     actions = hist.action_ids.numpy().astype(np.int64)
     request_time = batch.request_time.numpy().astype(np.int64)
-    lengths = np.diff(starts)
-    total = int(starts[-1])
-    owner = np.repeat(np.arange(b), lengths)
     hour = (request_time % syn._DAY) / syn._DAY * 2 * np.pi
-    ad_cat = ds.item_category[ad]
     adv = ds.item_advertiser[ad]
 
-    # History signals, as make_batch computes them.
-    recency = np.ones(total)
-    if total:
-        rank_from_end = (starts[owner + 1] - 1) - np.arange(total)
-        recency = np.exp(-rank_from_end / 8.0)
-    same_cat = (ds.item_category[items] == ad_cat[owner]).astype(np.float64)
-    weight = recency * (1.0 + (actions >= 1))
-    num = np.bincount(owner, weights=weight * same_cat, minlength=b)
-    den = np.bincount(owner, weights=weight, minlength=b)
-    cat_share = np.where(den > 0, num / np.maximum(den, 1e-12), 0.0)
-    clicked_before = np.zeros(b)
-    hit = (items == ad[owner]) & (actions >= 1)
-    np.maximum.at(clicked_before, owner[hit], 1.0)
+    cat_share, clicked_before = syn.history_signals(ds.item_category, items, actions, starts, ad)
 
     # The Gaussian draws of make_batch: the ad-quality view, the user-bias view, the dense noise features.
     n_noise = max(c.n_dense - N_VIEWS, 0)

@@ -74,6 +74,38 @@ def _zipf_index(rng: np.random.Generator, n: int, size: int | tuple[int, ...], s
     return np.minimum(x.astype(np.int64) - 1, n - 1).clip(0)
 
 
+def history_signals(
+    item_category: np.ndarray,
+    hist_items: np.ndarray,
+    hist_actions: np.ndarray,
+    starts: np.ndarray,
+    ad: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ground truth's history terms of each example: ``(cat_share [B], clicked_before [B])`` float64.
+
+    ``cat_share``: the recency-weighted share (the last events matter most, clicks count double) of the
+    history in the candidate ad's category; ``clicked_before``: 1 where the history holds a click (or deeper)
+    on this very ad. ``hist_items``/``hist_actions`` ``[total]`` int64, ``starts`` ``[B + 1]`` offsets,
+    ``ad`` ``[B]`` the candidates, ``item_category`` the world's category of each item.
+    """
+    b = len(ad)
+    total = int(starts[-1])
+    owner = np.repeat(np.arange(b), np.diff(starts))
+    recency = np.ones(total)
+    if total:
+        rank_from_end = (starts[owner + 1] - 1) - np.arange(total)
+        recency = np.exp(-rank_from_end / 8.0)
+    same_cat = (item_category[hist_items] == item_category[ad][owner]).astype(np.float64)
+    weight = recency * (1.0 + (hist_actions >= 1))
+    num = np.bincount(owner, weights=weight * same_cat, minlength=b)
+    den = np.bincount(owner, weights=weight, minlength=b)
+    cat_share = np.where(den > 0, num / np.maximum(den, 1e-12), 0.0)
+    clicked_before = np.zeros(b)
+    hit = (hist_items == ad[owner]) & (hist_actions >= 1)
+    np.maximum.at(clicked_before, owner[hit], 1.0)
+    return cat_share, clicked_before
+
+
 class SyntheticAds:
     """The synthetic dataset of a :class:`~gem_train.config.SyntheticConfig` and a seed.
 
@@ -231,19 +263,7 @@ class SyntheticAds:
         ad_cat = self.item_category[ad]
         adv = self.item_advertiser[ad]
 
-        # History signals of the ground truth, recency-weighted (the last events matter most).
-        recency = np.ones(total)
-        if total:
-            rank_from_end = (starts[owner + 1] - 1) - np.arange(total)
-            recency = np.exp(-rank_from_end / 8.0)
-        same_cat = (self.item_category[hist_items] == ad_cat[owner]).astype(np.float64)
-        weight = recency * (1.0 + (hist_actions >= 1))
-        num = np.bincount(owner, weights=weight * same_cat, minlength=b)
-        den = np.bincount(owner, weights=weight, minlength=b)
-        cat_share = np.where(den > 0, num / np.maximum(den, 1e-12), 0.0)
-        clicked_before = np.zeros(b)
-        hit = (hist_items == ad[owner]) & (hist_actions >= 1)
-        np.maximum.at(clicked_before, owner[hit], 1.0)
+        cat_share, clicked_before = history_signals(self.item_category, hist_items, hist_actions, starts, ad)
         buys = np.bincount(owner, weights=(hist_actions >= c.num_actions - 1).astype(np.float64), minlength=b)
         buy_rate = buys / np.maximum(lengths, 1)
 
