@@ -24,10 +24,11 @@ also checks the recomputation of every term from the batch and the world).
 
 How: the generator draws nothing new for this. The history terms (``cat_share``, ``clicked_before``), the hour
 and the ids are recomputed from the batch of ``SyntheticAds.get`` and the world arrays (the history terms by
-the generator's own :func:`gem_train.data.synthetic.history_signals`). Two things the outputs do not hold exactly are read back from the random streams by wrapping
-``np.random.default_rng`` while the world and each batch are built (recording every ``normal`` draw): the
-category vectors (``SyntheticAds`` keeps only ``item_vec`` and ``user_vec``; checked by rebuilding both
-exactly) and the float64 dense draws (the batch stores them as float32; checked against it).
+the generator's own :func:`gem_train.data.synthetic.history_signals`). Two things the outputs do not hold
+exactly are read back from the random streams by wrapping ``np.random.default_rng`` while the world and each
+batch are built (recording every ``normal`` draw): the category vectors (``SyntheticAds`` keeps only
+``item_vec`` and ``user_vec``; checked by rebuilding both exactly) and the float64 dense draws (the batch
+stores them as float32; checked against it).
 
 What this floor is, precisely: the floor of a predictor that cannot identify individual users beyond their
 declared interests (here: their true interests and weights) and the dense views. It is an approximation,
