@@ -83,7 +83,9 @@ def auto_persistent_variant(
     measured (2026-12-04, B=64 log-normal lengths <= 4096, H=4, D=128, bf16, same run; BENCHMARKS.md):
     the TMA forward won everywhere (causal softmax 0.612 against 0.678 ms, GDPA silu 0.883 against 1.142),
     the TMA backward won without a mask (GDPA silu 2.71 against 3.53 ms) and lost with the causal band
-    (2.25 against 2.15), so a masked backward keeps the tiled kernels. Only sm_90 (where it was measured),
+    (2.25 against 2.15), so a masked backward keeps the tiled kernels. Windowed forwards were not timed
+    alone but end to end: in gem-train's base-h200 step (one causal and three window-256 layers take the
+    TMA forward) 130.7 ms against 138.6 with the tiled kernels. Only sm_90 (where it was measured),
     16-bit inputs (the fp32 tiles were not timed) and the general class (cross/PMA have one-tile kernels).
     """
     if capability != (9, 0) or not tma_ok or kind != "general":
