@@ -23,7 +23,6 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 from gem_train.config import SHIPPED_CONFIGS, ConfigError, TrainConfig, config_from_dict, load_config
 from gem_train.data.split import HELD_OUT, HeldOutSplit
@@ -254,9 +253,9 @@ def _data(args: argparse.Namespace) -> int:
     ds = SyntheticAds(cfg.data.synthetic, cfg.run.seed)
     import numpy as np
 
+    bs, n_test = cfg.data.eval_batch_size, cfg.data.synthetic.eval_examples
     parts = [
-        ds.get("test", i, cfg.data.eval_batch_size)
-        for i in range(ds.held_out_batches("test", cfg.data.eval_batch_size))
+        ds.make_batch("test", i, min(bs, n_test - i * bs)) for i in range(ds.held_out_batches("test", bs))
     ]
     lengths = np.concatenate([p.batch.sequences["history"].lengths.numpy() for p in parts])
     sp = ds.spec
@@ -272,12 +271,14 @@ def _data(args: argparse.Namespace) -> int:
     )
     masks = [p.batch.label_mask.numpy() for p in parts]
     labels = [p.batch.labels.numpy() for p in parts]
-    # The synthetic data's batches always carry their ground-truth probabilities.
-    floors = ground_truth_ne([cast(np.ndarray, p.true_probs) for p in parts], labels, masks, sp.tasks)
+    floors = ground_truth_ne([p.true_probs for p in parts], labels, masks, sp.tasks)
+    # The same for an oracle that cannot identify users (their own taste noise and bias integrated out).
+    ident = ground_truth_ne([p.identifiable_probs[:, None] for p in parts], labels, masks, ("ctr",))
     for j, task in enumerate(sp.tasks):
         m = np.concatenate(masks)[:, j]
         y = np.concatenate(labels)[m, j]
-        print(f"  {task}: base rate {y.mean():.4f}, ground-truth NE floor {floors[task]:.4f}")
+        extra = f", identifiable floor {ident['ctr']:.4f}" if task == "ctr" else ""
+        print(f"  {task}: base rate {y.mean():.4f}, ground-truth NE floor {floors[task]:.4f}{extra}")
     return 0
 
 

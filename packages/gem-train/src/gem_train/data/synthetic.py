@@ -35,7 +35,7 @@ from gem_train.data.loader import LoadedBatch
 from gem_train.data.split import HELD_OUT, Split, check_split
 from gem_train.metrics import ground_truth_ne  # re-exported: the floor of this dataset's NE
 
-__all__ = ["SyntheticAds", "SyntheticBatch", "ground_truth_ne"]
+__all__ = ["SyntheticAds", "SyntheticBatch", "expected_sigmoid", "ground_truth_ne", "history_signals"]
 
 # The random stream of each split (the codes are part of the data: they never change).
 _SPLIT_CODE = {"train": 0, "test": 1, "valid": 2}
@@ -44,6 +44,12 @@ _DAY = 86_400
 _LATENT = 8  # width of the hidden taste vectors
 _N_INTERESTS = 3  # interest categories per user
 _N_SEGMENTS = 16
+_TASTE_WEIGHT = 0.8  # ctr logit += 0.8 * taste
+_USER_TASTE_NOISE = 0.5  # user_vec = interest-weighted category vectors + 0.5 * N(0, 1)
+_USER_BIAS_SD = 0.4  # user_bias ~ N(0, 0.4^2)
+_BIAS_VIEW_SD = 0.4  # dense[:, 4] = user_bias + N(0, 0.4^2) (a "user click-propensity score")
+_BIAS_VIEW_COLUMN = 4
+_QUADRATURE_POINTS = 32
 
 
 @dataclass
@@ -53,14 +59,34 @@ class SyntheticBatch:
     Attributes:
         batch: the model input.
         true_probs: ``[B, T]`` float64, P(label = 1) under the hidden model (cvr: given a click).
+        identifiable_probs: ``[B]`` float64, P(click) as predicted by an oracle that knows the whole hidden
+            world and every feature but not the user's idiosyncratic terms (the noise part of the taste
+            vector, the user bias beyond its dense view): ``E[sigmoid(known + r)]``, ``r ~ N(0,
+            ctr_residual_var)``. Its NE is the *identifiable floor* (approximate: a user's history and
+            repeated impressions do reveal some of those terms; the oracle's exact world is optimistic).
+        ctr_residual: ``[B]`` the idiosyncratic part ``r`` of the true CTR logit (diagnostics and tests).
+        ctr_residual_var: ``[B]`` its variance given what the oracle knows.
     """
 
     batch: GemBatch
     true_probs: np.ndarray
+    identifiable_probs: np.ndarray
+    ctr_residual: np.ndarray
+    ctr_residual_var: np.ndarray
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
+
+
+def expected_sigmoid(
+    mean: np.ndarray, var: np.ndarray | float, points: int = _QUADRATURE_POINTS
+) -> np.ndarray:
+    """``E[sigmoid(mean + sqrt(var) z)]``, ``z ~ N(0, 1)``, elementwise, by Gauss-Hermite quadrature."""
+    nodes, weights = np.polynomial.hermite_e.hermegauss(points)
+    sd = np.sqrt(np.maximum(np.asarray(var, dtype=np.float64), 0.0))
+    x = np.asarray(mean, dtype=np.float64)[..., None] + sd[..., None] * nodes
+    return (_sigmoid(x) @ weights) / weights.sum()
 
 
 def _zipf_index(rng: np.random.Generator, n: int, size: int | tuple[int, ...], s: float) -> np.ndarray:
@@ -156,10 +182,12 @@ class SyntheticAds:
         )
         w = rng.dirichlet(np.ones(_N_INTERESTS) * 1.5, c.num_users)
         self.user_interest_w = w
-        self.user_vec = np.einsum("ui,uid->ud", w, cat_vec[self.user_interests]) + 0.5 * rng.normal(
+        # What a user's interests predict of their taste; the rest of user_vec is their own.
+        self.user_taste_prior = np.einsum("ui,uid->ud", w, cat_vec[self.user_interests])
+        self.user_vec = self.user_taste_prior + _USER_TASTE_NOISE * rng.normal(
             0.0, 1.0, (c.num_users, _LATENT)
         )
-        self.user_bias = rng.normal(0.0, 0.4, c.num_users)
+        self.user_bias = rng.normal(0.0, _USER_BIAS_SD, c.num_users)
         self.user_activity = rng.lognormal(0.0, 0.8, c.num_users)
         self.user_buyer = rng.beta(1.0, 6.0, c.num_users)  # propensity to buy after clicking
         self.dense_w = rng.normal(0.0, 0.3, max(c.n_dense - 5, 0))
@@ -276,7 +304,7 @@ class SyntheticAds:
             self.item_quality[ad] + rng.normal(0.0, 0.4, b),  # an "ad quality score"
             np.sin(hour),
             np.cos(hour),
-            self.user_bias[user] + rng.normal(0.0, 0.4, b),  # a "user click-propensity score"
+            self.user_bias[user] + rng.normal(0.0, _BIAS_VIEW_SD, b),  # a "user click-propensity score"
         ]
         for j, v in enumerate(views[: c.n_dense]):
             dense[:, j] = v
@@ -286,7 +314,7 @@ class SyntheticAds:
 
         ctr_logit = (
             c.base_ctr_logit
-            + 0.8 * taste
+            + _TASTE_WEIGHT * taste
             + self.item_quality[ad]
             + self.adv_quality[adv]
             + self.user_bias[user]
@@ -303,6 +331,8 @@ class SyntheticAds:
             + 3.0 * (buy_rate - 0.1)
             + 4.0 * (self.user_buyer[user] - 1.0 / 7.0)
         )
+        residual, residual_var = self._ctr_residual(user, ad, taste, views)
+        identifiable = expected_sigmoid(ctr_logit - residual, residual_var)
         p_ctr, p_cvr = _sigmoid(ctr_logit), _sigmoid(cvr_logit)
         click = rng.uniform(size=b) < p_ctr
         conv = click & (rng.uniform(size=b) < p_cvr)
@@ -343,4 +373,24 @@ class SyntheticAds:
             labels=t(labels),
             label_mask=t(mask),
         )
-        return SyntheticBatch(batch, np.stack([p_ctr, p_cvr], axis=1))
+        return SyntheticBatch(batch, np.stack([p_ctr, p_cvr], axis=1), identifiable, residual, residual_var)
+
+    def _ctr_residual(
+        self, user: np.ndarray, ad: np.ndarray, taste: np.ndarray, views: list[np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(r, Var[r | known])`` ``[B]``: the users' idiosyncratic part of the CTR logit, given what an
+        oracle that cannot identify users knows (their interests and weights, the world, every feature).
+
+        Taste: ``0.8 (user_vec - prior) . item_vec / sqrt(8)`` with ``user_vec - prior = 0.5 z``, so variance
+        ``0.8^2 0.5^2 |item_vec|^2 / 8``. Bias: with its noisy view ``v`` a feature (dense column 4), the
+        posterior ``N(v s^2 / (s^2 + t^2), s^2 t^2 / (s^2 + t^2))``; without it, the prior ``N(0, s^2)``."""
+        vec = self.item_vec[ad]
+        prior_taste = np.einsum("bd,bd->b", self.user_taste_prior[user], vec) / np.sqrt(_LATENT)
+        taste_var = (_TASTE_WEIGHT * _USER_TASTE_NOISE) ** 2 * np.einsum("bd,bd->b", vec, vec) / _LATENT
+        s2, t2 = _USER_BIAS_SD**2, _BIAS_VIEW_SD**2
+        if self.cfg.n_dense > _BIAS_VIEW_COLUMN:
+            bias_mean, bias_var = views[_BIAS_VIEW_COLUMN] * s2 / (s2 + t2), s2 * t2 / (s2 + t2)
+        else:
+            bias_mean, bias_var = np.zeros(len(user)), s2
+        residual = _TASTE_WEIGHT * (taste - prior_taste) + (self.user_bias[user] - bias_mean)
+        return residual, taste_var + bias_var
