@@ -57,10 +57,9 @@ def compute(cfg: Any, batches: int, batch_size: int, split: str = "test", seed: 
     from gem_train.metrics import ground_truth_ne, normalized_entropy
 
     ds = SyntheticAds(cfg, seed=seed)
-    total = cfg.eval_examples if split == "test" else cfg.valid_examples
     ident, truth, labels, masks, r2, var = [], [], [], [], [], []
     for i in range(batches):
-        sb = ds.make_batch(split, i, min(batch_size, total - i * batch_size))
+        sb = ds.get_batch(split, i, batch_size)  # the rows the trainer's evaluation reads
         ident.append(sb.identifiable_probs)
         truth.append(sb.true_probs)
         labels.append(sb.batch.labels.numpy())

@@ -253,10 +253,8 @@ def _data(args: argparse.Namespace) -> int:
     ds = SyntheticAds(cfg.data.synthetic, cfg.run.seed)
     import numpy as np
 
-    bs, n_test = cfg.data.eval_batch_size, cfg.data.synthetic.eval_examples
-    parts = [
-        ds.make_batch("test", i, min(bs, n_test - i * bs)) for i in range(ds.held_out_batches("test", bs))
-    ]
+    bs = cfg.data.eval_batch_size
+    parts = [ds.get_batch("test", i, bs) for i in range(ds.held_out_batches("test", bs))]
     lengths = np.concatenate([p.batch.sequences["history"].lengths.numpy() for p in parts])
     sp = ds.spec
     print(f"synthetic ads dataset (seed {cfg.run.seed}): {sp.n_dense} dense features, tasks {sp.tasks}")

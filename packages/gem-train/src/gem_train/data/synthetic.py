@@ -232,6 +232,14 @@ class SyntheticAds:
     def get(self, split: Split, index: int, batch_size: int) -> LoadedBatch:
         """Batch ``index`` for the loader (train indices wrap around a finite epoch; the last held-out batch
         is smaller when ``eval_examples`` is not a multiple of the batch size)."""
+        sb, index = self._indexed_batch(split, index, batch_size)
+        return LoadedBatch(sb.batch, index, sb.true_probs)
+
+    def get_batch(self, split: Split, index: int, batch_size: int) -> SyntheticBatch:
+        """The :class:`SyntheticBatch` behind :meth:`get` (same rows: the floors' diagnostics as well)."""
+        return self._indexed_batch(split, index, batch_size)[0]
+
+    def _indexed_batch(self, split: Split, index: int, batch_size: int) -> tuple[SyntheticBatch, int]:
         size = batch_size
         if split in HELD_OUT:
             n = self.held_out_batches(split, batch_size)
@@ -240,8 +248,7 @@ class SyntheticAds:
             size = min(batch_size, self._held_out_examples(split) - index * batch_size)
         elif (per_epoch := self.num_batches(split, batch_size)) is not None:
             index %= per_epoch
-        sb = self.make_batch(split, index, size)
-        return LoadedBatch(sb.batch, index, sb.true_probs)
+        return self.make_batch(split, index, size), index
 
     def make_batch(self, split: Split, index: int, batch_size: int) -> SyntheticBatch:
         """Batch ``index`` of ``split`` ("train", "valid" or "test"): a pure function of (seed, split, index,
