@@ -179,13 +179,14 @@ def main() -> None:
                 f"{case:22s} first call, empty cache {c:8.2f} s (target <= 10)   "
                 f"filled cache {w:7.3f} s (target <= 0.5)   lazy imports before the clock "
                 f"{cold.get('import_s', float('nan')):.2f} / {warm.get('import_s', float('nan')):.2f} s   "
+                f"second (warm) call {warm.get('second_call_s', float('nan')) * 1e3:.2f} ms   "
                 f"timed {cold.get('timed', cold.get('error'))} "
                 f"then {warm.get('timed', warm.get('error'))}   variants {cold.get('variants')}",
                 flush=True,
             )
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"rows": rows, "args": vars(a)}, f, indent=1)
+            if a.out:  # after every case: a run cut short keeps what it measured
+                with open(a.out, "w") as f:
+                    json.dump({"rows": rows, "args": vars(a)}, f, indent=1)
 
 
 if __name__ == "__main__":

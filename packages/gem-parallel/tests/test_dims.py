@@ -1,11 +1,14 @@
 """ParallelDims: degrees, errors naming the axis, rank layouts, network tiers, and the meshes on 4 ranks."""
 
+import os
+import signal
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from gem_parallel import ParallelDims
-from gem_parallel.testing import run_distributed
+from gem_parallel.testing import DistributedRunError, run_distributed
 
 
 def test_fill_and_derived_degrees():
@@ -99,6 +102,12 @@ def _hanging_worker(rank: int, world_size: int) -> None:
     dist.barrier()  # rank 1 waits for a peer that is gone: the collective timeout must end it
 
 
+def _crashing_worker(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)  # a crash in native code: no Python exception, no error file
+    dist.barrier()  # rank 0 then fails on the closed connection
+
+
 @pytest.mark.distributed
 def test_harness_reports_every_rank_and_never_hangs():
     out = run_distributed(__file__, "_failing_worker", world_size=2, timeout_s=30, expect_failure=True)
@@ -107,3 +116,13 @@ def test_harness_reports_every_rank_and_never_hangs():
     out = run_distributed(__file__, "_hanging_worker", world_size=2, timeout_s=5, expect_failure=True)
     assert out[0].error_type == "RuntimeError"
     assert out[1].returncode != 0  # failed (timeout / connection closed) or killed at the deadline
+
+
+@pytest.mark.distributed
+def test_harness_names_the_crashed_rank_with_its_python_stack():
+    with pytest.raises(DistributedRunError) as err:
+        run_distributed(__file__, "_crashing_worker", world_size=2, timeout_s=20)
+    msg = str(err.value)
+    assert "rank 1: killed by SIGSEGV" in msg
+    # The crashed rank's output is the one shown, with faulthandler's stack naming the function.
+    assert "--- rank 1 output (tail) ---" in msg and "_crashing_worker" in msg

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -153,17 +155,29 @@ def run_distributed(
         if failed:
             lines = [
                 f"rank {o.rank}: "
-                + ("killed at the deadline" if o.returncode is None else f"exit {o.returncode}")
+                + ("killed at the deadline" if o.returncode is None else _describe_exit(o.returncode))
                 + (f": {o.error_type}: {o.message}" if o.error_type else "")
                 for o in outcomes
             ]
-            worst = next((o for o in failed if o.error_type), failed[0])
+            # A rank killed by a signal (a crash) is the cause: its peers then fail on a closed connection.
+            crashed = [o for o in failed if o.returncode is not None and o.returncode < 0]
+            worst = crashed[0] if crashed else next((o for o in failed if o.error_type), failed[0])
             raise DistributedRunError(
                 f"{func} on {world_size} ranks failed:\n  " + "\n  ".join(lines)
                 + f"\n--- rank {worst.rank} output (tail) ---\n{worst.stderr_tail}",
                 outcomes,
             )  # fmt: skip
         return [torch.load(tmpdir / f"result_{r}.pt", weights_only=True) for r in range(world_size)]
+
+
+def _describe_exit(code: int) -> str:
+    """``exit 1``, or ``killed by SIGSEGV`` for a negative (signal) return code."""
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def _outcome(tmpdir: Path, rank: int, code: int | None) -> RankFailure:
@@ -196,6 +210,9 @@ def _worker_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, required=True)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
+    # A crash in native code (a segfault in a kernel or in gloo) prints every thread's Python stack to
+    # this rank's stderr file, which the parent reports.
+    faulthandler.enable(all_threads=True)
     out = Path(a.dir)
     torch.set_num_threads(a.threads)
     try:
