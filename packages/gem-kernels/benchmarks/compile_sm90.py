@@ -6,13 +6,19 @@ Catches compile errors of the Hopper-only paths (TMA descriptors, warp specializ
 the installed Triton may differ from the one on the GPU. bf16, D = Dv = 128, 8 warps, 3 stages. ``fp32``
 compiles the tiled kernels' fp32 candidates (exact products: FMA dots) and prints each one's compile time
 (the first-call cost of an fp32 bucket) and FMA count per thread, with ``--warps N`` to compare warp counts.
+``--ptx-dir DIR`` writes each kernel's PTX there without its debug information (``.loc``/``.file`` lines,
+``$L__tmp`` labels, the DWARF sections: they follow the source lines), so that a refactoring of the
+kernels' Triton source can be shown to leave the generated code unchanged (``diff -r BEFORE AFTER``).
 
     export PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':')
-    python packages/gem-kernels/benchmarks/compile_sm90.py [fwd dq dkdv tiled fp32] [--warps N]
+    python packages/gem-kernels/benchmarks/compile_sm90.py [fwd dq dkdv tiled fp32] [--warps N] \\
+        [--ptx-dir DIR]
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 import time
 from typing import Any
@@ -26,6 +32,16 @@ from gem_kernels.triton_kernels import attention_fwd as triton_fwd
 from gem_kernels.triton_kernels import attention_persistent as triton_persistent
 
 _BF16 = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV_"}
+PTX_DIR: str | None = None  # --ptx-dir
+_DEBUG_LINE = re.compile(r"^\s*(\.(loc|file)\b.*|\$L__tmp\d+:\s*)$\n?", re.MULTILINE)
+
+
+def code_only(ptx: str) -> str:
+    """The PTX without its debug information (see the module docstring)."""
+    cut = re.search(r"^\s*\.section\s+\.debug", ptx, re.MULTILINE)
+    return _DEBUG_LINE.sub("", ptx[: cut.start()] if cut else ptx)
+
+
 _PTR32 = {"q_offsets", "kv_offsets", "tiles", "count", "counter"}
 
 
@@ -73,6 +89,11 @@ def report(
         print(f"{label}: FAIL {type(e).__name__}: {str(e)[:1000]}", flush=True)
         return
     ptx = k.asm["ptx"]
+    if PTX_DIR is not None:
+        os.makedirs(PTX_DIR, exist_ok=True)
+        name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
+        with open(os.path.join(PTX_DIR, f"{name}.ptx"), "w") as f:
+            f.write(code_only(ptx))
     print(
         f"{label}: ok {time.time() - t0:.0f}s  tma {ptx.count('cp.async.bulk.tensor')}  "
         f"cp.async {ptx.count('cp.async.cg') + ptx.count('cp.async.ca')}  "
@@ -93,7 +114,12 @@ def main() -> None:
         "dq": (triton_bwd.dq_kernel, 128, 64),
         "dkdv": (triton_bwd.dkdv_kernel, 64, 128),
     }
+    global PTX_DIR
     args = sys.argv[1:]
+    if "--ptx-dir" in args:
+        i = args.index("--ptx-dir")
+        PTX_DIR = args[i + 1]
+        del args[i : i + 2]
     warps = None
     if "--warps" in args:
         i = args.index("--warps")

@@ -14,8 +14,6 @@ import triton
 import triton.language as tl
 
 from gem_kernels.triton_kernels.attention_common import (
-    LOG2E,
-    act_and_grad,
     band_ranges,
     load_rows,
     program_seq_head,
@@ -24,8 +22,8 @@ from gem_kernels.triton_kernels.attention_common import (
     score_scale,
     seq_bounds,
     store_rows,
-    visible_keys,
 )
+from gem_kernels.triton_kernels.attention_tile_math import dkdv_tile_grads, dq_tile_ds
 
 
 @triton.jit
@@ -47,14 +45,7 @@ def _dq_tiles(dq, q, do, lse2, delta, K, V, k_row0, v_row0, stride_kt, stride_vt
             vt = tl.load(vt_ptrs, mask=offs_dv[:, None] < DV, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
         dp = tl.dot(do, vt, input_precision=PRECISION)  # [BM, BN]
-        if ACT == 0:
-            p = tl.math.exp2(s - lse2[:, None])
-            ds = p * (dp - delta[:, None])
-        else:
-            _, da = act_and_grad(s, ACT, FAST_ACT)
-            ds = dp * da
-        if MASK:
-            ds = tl.where(visible_keys(offs_m, offs_n, len_kv, left, right), ds, 0.0)
+        ds = dq_tile_ds(s, dp, lse2, delta, offs_m, offs_n, len_kv, left, right, ACT, MASK, FAST_ACT)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
@@ -124,22 +115,8 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt,
             do = tl.load(do_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
         st = tl.dot(k, qt, input_precision=PRECISION) * s_scale  # [BN, BM]: scores transposed
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # [BN, BM]
-        if ACT == 0:
-            row_ok = offs_m < len_q
-            lse = tl.load(LSE + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-            pt = tl.math.exp2(st - lse2[None, :])
-            dst = pt * (dpt - delta[None, :])
-        else:
-            pt, da = act_and_grad(st, ACT, FAST_ACT)
-            dst = dpt * da
-        if MASK:
-            visible = ((offs_m[None, :] < len_q)
-                       & (offs_n[:, None] >= offs_m[None, :] - left)
-                       & (offs_n[:, None] <= offs_m[None, :] + right))
-            pt = tl.where(visible, pt, 0.0)
-            dst = tl.where(visible, dst, 0.0)
+        pt, dst = dkdv_tile_grads(st, dpt, LSE, DELTA, q_start, offs_m, offs_n, len_q, h, n_heads, left,
+                                  right, ACT, MASK, FAST_ACT)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PRECISION)
     return dk, dv

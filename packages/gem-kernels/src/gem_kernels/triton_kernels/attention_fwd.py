@@ -9,17 +9,15 @@ import triton
 import triton.language as tl
 
 from gem_kernels.triton_kernels.attention_common import (
-    LN2,
     band_ranges,
-    gdpa_act,
     load_rows,
     program_seq_head,
     program_tile_start,
     score_scale,
     seq_bounds,
     store_rows,
-    visible_keys,
 )
+from gem_kernels.triton_kernels.attention_tile_math import fwd_finish, fwd_tile
 
 
 @triton.jit
@@ -40,24 +38,8 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, k_row0, v_row0, stride_kt, stride_vt, off
             kt = tl.load(kt_ptrs, mask=offs_d[:, None] < D, other=0.0)
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BM, BN] fp32
-        if MASK:
-            visible = visible_keys(offs_m, offs_n, len_kv, left, right)
-        if ACT == 0:
-            if MASK:
-                s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row may see no key in a masked tile (and none before it): keep exp2 away from inf - inf.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        else:
-            p = gdpa_act(s, ACT, FAST_ACT)
-            if MASK:
-                p = tl.where(visible, p, 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        acc, m_i, l_i = fwd_tile(acc, m_i, l_i, s, v, offs_m, offs_n, len_kv, left, right, ACT, MASK,
+                                 PRECISION, FAST_ACT)
     return acc, m_i, l_i
 
 
@@ -97,11 +79,5 @@ def fwd_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets,
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, k_row0, v_row0, stride_kt, stride_vt, offs_m,
                                    offs_d, offs_dv, len_kv, full_hi, hi, left, right, qk_scale, ACT, True, D,
                                    DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
-        if ACT == 0:
-            empty = l_i == 0.0
-            acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-            lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-            tl.store(LSE + (q_start + offs_m) * n_heads + h, lse, mask=row_ok)
-        else:
-            acc = acc * out_scale
+        acc = fwd_finish(acc, m_i, l_i, LSE, q_start, offs_m, row_ok, h, n_heads, out_scale, ACT)
         store_rows(Out, acc, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)

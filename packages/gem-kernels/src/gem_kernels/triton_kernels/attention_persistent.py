@@ -26,19 +26,15 @@ import triton
 import triton.language as tl
 
 from gem_kernels.triton_kernels.attention_common import (
-    LN2,
-    LOG2E,
-    act_and_grad,
     band_ranges,
     bwd_scales,
-    gdpa_act,
     persistent_item,
     row_stats,
     score_scale,
     seq_pair_bounds,
     store_rows,
-    visible_keys,
 )
+from gem_kernels.triton_kernels.attention_tile_math import dkdv_tile_grads, dq_tile_ds, fwd_finish, fwd_tile
 
 
 @triton.jit
@@ -95,23 +91,8 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh
         v = _tile(V, vd, kv_start, start_n, len_kv, h, stride_vt, stride_vh, DV, BLOCK_N, BLOCK_DV, MASK,
                   USE_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN] fp32
-        if MASK:
-            visible = visible_keys(offs_m, offs_n, len_kv, left, right)
-        if ACT == 0:
-            if MASK:
-                s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        else:
-            p = gdpa_act(s, ACT, FAST_ACT)
-            if MASK:
-                p = tl.where(visible, p, 0.0)
-        acc = tl.dot(p.to(q.dtype), v, acc, input_precision=PRECISION)
+        acc, m_i, l_i = fwd_tile(acc, m_i, l_i, s, v, offs_m, offs_n, len_kv, left, right, ACT, MASK,
+                                 PRECISION, FAST_ACT)
     return acc, m_i, l_i
 
 
@@ -154,13 +135,7 @@ def fwd_persistent_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets, tiles, count
                                    stride_vt, stride_vh, offs_m, len_kv, full_hi, hi, left, right, s_scale,
                                    ACT, True, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA,
                                    WS)
-        if ACT == 0:
-            empty = l_i == 0.0
-            acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-            lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-            tl.store(LSE + (q_start + offs_m) * n_heads + h, lse, mask=row_ok)
-        else:
-            acc = acc * out_scale
+        acc = fwd_finish(acc, m_i, l_i, LSE, q_start, offs_m, row_ok, h, n_heads, out_scale, ACT)
         store_rows(Out, acc, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
         w = _next_item(counter)
 
@@ -183,14 +158,7 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stri
                   USE_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BM, BN]
-        if ACT == 0:
-            p = tl.math.exp2(s - lse2[:, None])
-            ds = p * (dp - delta[:, None])
-        else:
-            _, da = act_and_grad(s, ACT, FAST_ACT)
-            ds = dp * da
-        if MASK:
-            ds = tl.where(visible_keys(offs_m, offs_n, len_kv, left, right), ds, 0.0)
+        ds = dq_tile_ds(s, dp, lse2, delta, offs_m, offs_n, len_kv, left, right, ACT, MASK, FAST_ACT)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
@@ -260,22 +228,8 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, s
                    USE_TMA)
         st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * s_scale  # [BN, BM]: scores transposed
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # [BN, BM]
-        if ACT == 0:
-            row_ok = offs_m < len_q
-            lse = tl.load(LSE + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + (q_start + offs_m) * n_heads + h, mask=row_ok, other=0.0)
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-            pt = tl.math.exp2(st - lse2[None, :])
-            dst = pt * (dpt - delta[None, :])
-        else:
-            pt, da = act_and_grad(st, ACT, FAST_ACT)
-            dst = dpt * da
-        if MASK:
-            visible = ((offs_m[None, :] < len_q)
-                       & (offs_n[:, None] >= offs_m[None, :] - left)
-                       & (offs_n[:, None] <= offs_m[None, :] + right))
-            pt = tl.where(visible, pt, 0.0)
-            dst = tl.where(visible, dst, 0.0)
+        pt, dst = dkdv_tile_grads(st, dpt, LSE, DELTA, q_start, offs_m, offs_n, len_q, h, n_heads, left,
+                                  right, ACT, MASK, FAST_ACT)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
