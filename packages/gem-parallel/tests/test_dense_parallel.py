@@ -12,6 +12,13 @@ relative (measured <= 1e-7). Gradients and parameters: 1e-4 of each tensor's lar
 <= 2e-5, on the near-zero gate biases, whose largest entry is small). A real bug is orders of magnitude
 above: a missed or doubled gradient share is an O(1) relative error (this test caught expert gradients
 off by 4x, 0.75, in an HSDP + EP layout).
+
+The EP layouts also count the functional-collective works in flight whenever an EP collective is issued: it
+must be none. Two collectives in flight at once on one gloo group corrupt memory in torch 2.13 (its two
+worker threads share the group's gloo context): a 4-rank gem-train run crashed with SIGSEGV in malloc on a
+gloo thread about once in two 300-step runs on a loaded 2-core machine, and a 2-rank loop of two concurrent
+all-gathers crashed within one 20,000-iteration try, while the same loop with each one waited before the
+next passed 3 x 20,000.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from dense_helpers import (
 )
 
 import gem_model as gm
+import gem_parallel.expert as expert_module
 from gem_parallel import FSDPConfig, ParallelConfig, ParallelDims, parallelize
 from gem_parallel.testing import run_distributed
 
@@ -50,7 +58,40 @@ LAYOUTS = {
 }
 
 
+def _count_in_flight(record: list[int]):
+    """Wrap the EP collectives: append the number of functional-collective works in flight in this process
+    each time one is issued. Returns the undo function."""
+    from torch._C._distributed_c10d import _get_work_registry_size
+
+    originals = expert_module._all_gather, expert_module._reduce_scatter
+
+    def counted(fn):
+        def issue(*args, **kwargs):
+            record.append(_get_work_registry_size())
+            return fn(*args, **kwargs)
+
+        return issue
+
+    expert_module._all_gather, expert_module._reduce_scatter = (counted(f) for f in originals)
+
+    def undo() -> None:
+        expert_module._all_gather, expert_module._reduce_scatter = originals
+
+    return undo
+
+
 def _train(layout: str, rank: int, world_size: int, steps: int = 2) -> dict:
+    in_flight: list[int] = []
+    undo = _count_in_flight(in_flight)
+    try:
+        out = _train_layout(layout, rank, world_size, steps)
+    finally:
+        undo()
+    out["ep_issues"], out["ep_max_in_flight"] = len(in_flight), max(in_flight, default=0)
+    return out
+
+
+def _train_layout(layout: str, rank: int, world_size: int, steps: int) -> dict:
     dims_kwargs, sizes, extra = LAYOUTS[layout]
     dims = ParallelDims(**dims_kwargs)
     mesh = dims.build_mesh("cpu")
@@ -107,6 +148,8 @@ def test_fsdp_hsdp_ep_match_one_process():
             assert worst_grad[1] <= TOL, (name, rank, worst_grad)
             assert worst_param[1] <= TOL, (name, rank, worst_param)
             if dims_kwargs.get("ep", 1) > 1:
+                # Every EP collective was issued with none in flight (gloo corrupts memory otherwise).
+                assert r["ep_issues"] > 0 and r["ep_max_in_flight"] == 0, (name, rank, r["ep_max_in_flight"])
                 # Each EP rank holds one of the two experts of every layer (the other's names are absent).
                 ep_rank = rank % 2
                 assert r["experts"] == [str(ep_rank)], (name, rank, r["experts"])

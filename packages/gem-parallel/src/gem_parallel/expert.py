@@ -18,6 +18,13 @@ the world average, like a dense parameter's. (FSDP2's own ``set_gradient_divide_
 on NCCL; over gloo it needs sum reductions, and torch 2.13 then divides twice when the expert shard group
 has one rank: ``foreach_reduce``'s single-rank branch divides and the post-division runs again.)
 
+Each collective is waited before the next one is issued, so an EP group never has two in flight. On NCCL
+this costs nothing (collectives of one communicator run one after the other on its stream anyway); on gloo
+it is required: torch 2.13's gloo process group runs queued collectives on two worker threads that share one
+gloo context, and two in flight at once corrupted the heap (SIGSEGV in malloc on a gloo thread, about once in
+two 300-step 4-rank gem-train runs; a 2-rank loop of two concurrent all-gathers crashed within 20,000
+iterations, the same loop waiting each one before the next ran 3 x 20,000 clean).
+
 Ranks with different local batch sizes (a last, short batch) are padded to the group's largest batch with
 zero rows and zero gate weights, which add nothing to the outputs or gradients; the sizes are exchanged
 with one tiny all-gather per ensemble call (a host sync).
@@ -147,14 +154,15 @@ def expert_parallel_forward(ensemble: nn.Module, x: Tensor, mesh: DeviceMesh) ->
     assert weights is not None and isinstance(ens.experts, LocalExperts), "not an expert-parallel ensemble"
     b = x.shape[0]
     b_max = max(_group_batch_sizes(b, mesh, x.device))
-    group_x = _all_gather(_pad_rows(x, b_max).contiguous(), 0, mesh)  # [ep * b_max, n_in, d]
-    group_w = _all_gather(_pad_rows(weights, b_max).contiguous(), 0, mesh)  # [ep * b_max, E]
+    # One collective in flight at a time (module docstring): each is waited before the next is issued.
+    group_x = fc.wait_tensor(_all_gather(_pad_rows(x, b_max).contiguous(), 0, mesh))  # [ep * b_max, n_in, d]
+    group_w = fc.wait_tensor(_all_gather(_pad_rows(weights, b_max).contiguous(), 0, mesh))  # [ep * b_max, E]
     ep = mesh.size()
     # Expert gradients: the EP group's loss sum / ep = its mean; input and gate gradients: unchanged.
     group_x, group_w = _ScaleGrad.apply(group_x, float(ep)), _ScaleGrad.apply(group_w, float(ep))
     partial = ens.expert_sum(group_x, group_w, ens.experts.indexed())  # this rank's experts
     partial = _ScaleGrad.apply(partial, 1.0 / ep)
-    out = _reduce_scatter(partial.contiguous(), "sum", 0, mesh)  # [b_max, n_out, d]: all experts
+    out = fc.wait_tensor(_reduce_scatter(partial.contiguous(), "sum", 0, mesh))  # [b_max, n_out, d]
     return out[:b]
 
 
