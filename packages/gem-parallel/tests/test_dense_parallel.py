@@ -14,11 +14,10 @@ above: a missed or doubled gradient share is an O(1) relative error (this test c
 off by 4x, 0.75, in an HSDP + EP layout).
 
 The EP layouts also count the functional-collective works in flight whenever an EP collective is issued: it
-must be none. Two collectives in flight at once on one gloo group corrupt memory in torch 2.13 (its two
-worker threads share the group's gloo context): a 4-rank gem-train run crashed with SIGSEGV in malloc on a
-gloo thread about once in two 300-step runs on a loaded 2-core machine, and a 2-rank loop of two concurrent
-all-gathers crashed within one 20,000-iteration try, while the same loop with each one waited before the
-next passed 3 x 20,000.
+must be none. Two functional collectives in flight at once on one gloo group corrupt memory in torch 2.13: a
+4-rank gem-train run crashed with SIGSEGV in malloc on a gloo thread about once in two 300-step runs on a
+loaded 2-core machine, and a 2-rank loop of two concurrent funcol all-gathers crashed within one
+20,000-iteration try, while the same loop with each one waited before the next passed 3 x 20,000.
 """
 
 from __future__ import annotations

@@ -20,10 +20,11 @@ has one rank: ``foreach_reduce``'s single-rank branch divides and the post-divis
 
 Each collective is waited before the next one is issued, so an EP group never has two in flight. On NCCL
 this costs nothing (collectives of one communicator run one after the other on its stream anyway); on gloo
-it is required: torch 2.13's gloo process group runs queued collectives on two worker threads that share one
-gloo context, and two in flight at once corrupted the heap (SIGSEGV in malloc on a gloo thread, about once in
-two 300-step 4-rank gem-train runs; a 2-rank loop of two concurrent all-gathers crashed within 20,000
-iterations, the same loop waiting each one before the next ran 3 x 20,000 clean).
+it is required: in torch 2.13 two functional collectives in flight at once on one gloo group corrupted the
+heap (SIGSEGV in malloc on a gloo worker thread, about once in two 300-step 4-rank gem-train runs; a 2-rank
+loop of two concurrent funcol all-gathers crashed within 20,000 iterations, the same loop waiting each one
+before the next ran 3 x 20,000 clean). c10d's own async collectives overlapped the same way did not crash
+(2 x 20,000 iterations each of two ``all_gather_into_tensor`` or two ``all_to_all_single`` in flight).
 
 Ranks with different local batch sizes (a last, short batch) are padded to the group's largest batch with
 zero rows and zero gate weights, which add nothing to the outputs or gradients; the sizes are exchanged
