@@ -15,6 +15,7 @@ from gem_kernels.jagged import (
     jagged_to_padded,
     padded_to_jagged,
 )
+from gem_kernels.prewarm import prewarm_triton
 from gem_kernels.rotary import Rotary, apply_rotary
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "jagged_split",
     "jagged_to_padded",
     "padded_to_jagged",
+    "prewarm_triton",
     "set_debug",
     "use_backend",
 ]
