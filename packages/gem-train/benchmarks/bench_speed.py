@@ -216,7 +216,9 @@ def run_recipe(
 
 
 def profile(step: Any, n: int, device: torch.device) -> dict[str, Any]:
-    """Share of device (or CPU, on the CPU) self time by kernel kind over ``n`` steps, and the top kernels."""
+    """Share of device (or CPU, on the CPU) self time by kernel kind over ``n`` steps, the top kernels, and
+    what the host threads spent their time on (``loop_profile.host_breakdown``: launches per step, top-level
+    time by region: compiled graphs, gem custom ops, optimizer, embeddings, eager aten ops)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -240,7 +242,11 @@ def profile(step: Any, n: int, device: torch.device) -> dict[str, Any]:
         by_kernel[evt.key] += t
     total = sum(by_kind.values()) or 1.0
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+    from loop_profile import host_breakdown, main_thread_of  # this folder (the script's) is on sys.path
+
+    events = list(prof.events())
     return {
+        "host": host_breakdown(events, n, main_thread_of(events)),
         "gpu_ms_per_step": total / 1e3 / n,
         "share_by_kind": {k: v / total for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": k[:120], "share": v / total, "ms_per_step": v / 1e3 / n} for k, v in top],

@@ -11,7 +11,8 @@ into what tells a host-bound loop from a GPU-bound one:
   (top-level ones, by overlap);
 - ``self_cpu_ms_by_thread``: self CPU time per thread (the main thread launches; a loader or pinning
   thread competing for the GIL shows here);
-- ``top_cpu_ops``: the ops with the most self CPU time, and ``top_kernels`` by GPU time.
+- ``top_cpu_ops``: the ops with the most self CPU time, and ``top_kernels`` by GPU time;
+- ``host``: :func:`host_breakdown`, what each host thread spends its time on.
 
 Used by ``quality_run.py --profile-at S --profile-steps N`` (writes ``<recipe>/loop_profile.json``).
 """
@@ -64,6 +65,86 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
+# CUDA runtime/driver calls that enqueue work on the GPU (one per kernel launch, copy or memset).
+LAUNCH_APIS = frozenset({
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+    "cudaLaunchCooperativeKernel", "cudaMemcpyAsync", "cudaMemsetAsync", "cudaGraphLaunch",
+})  # fmt: skip
+
+
+def host_region(name: str) -> str:
+    """The kind of a top-level host event (what a host thread is doing when it is not waiting)."""
+    if name.startswith(("Torch-Compiled Region", "CompiledFunction", "## Call CompiledFxGraph")):
+        return "compiled graphs (inductor wrappers, guards)"
+    if name.startswith(("gem_kernels::", "gem_precision::")):
+        return "gem custom ops (eager)"
+    if name.startswith("Optimizer."):
+        return "optimizer"
+    if name.startswith("autograd::engine"):
+        return "autograd engine (eager backward nodes)"
+    if name.startswith(("fbgemm::", "torchrec", "## ")) or "Embedding" in name:
+        return "embeddings (TorchRec / fbgemm)"
+    if name in LAUNCH_APIS or name.startswith(("cuda", "cu")):
+        return "CUDA API"
+    if name.startswith("aten::"):
+        return "eager aten ops"
+    return "other"
+
+
+def host_breakdown(events: list[Any], steps: int, main_thread: int | None, top: int = 12) -> dict[str, Any]:
+    """Per host thread (``main``, ``autograd`` = the thread running the autograd engine's nodes, others by
+    id): self CPU ms per step, its top-level events' wall ms per step by :func:`host_region` and by name,
+    and the launches it issued (``LAUNCH_APIS``: count and CPU ms per step). Launch counts on the CPU are 0.
+
+    ``events``: ``prof.events()`` of a ``torch.profiler`` window over ``steps`` steps."""
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    autograd_threads = {e.thread for e in cpu if e.name.startswith("autograd::engine::evaluate_function")}
+    autograd_threads.discard(main_thread)  # a CPU run's backward may run on the main thread
+
+    def label(t: int) -> str:
+        if t == main_thread:
+            return "main"
+        return "autograd" if t in autograd_threads else f"thread {t}"
+
+    per: dict[str, dict[str, Any]] = {}
+    for e in cpu:
+        row = per.setdefault(label(e.thread), {
+            "self_cpu_ms": 0.0, "launches": 0, "launch_api_ms": 0.0,
+            "by_region": defaultdict(float), "by_top_level_op": defaultdict(float),
+        })  # fmt: skip
+        row["self_cpu_ms"] += e.self_cpu_time_total / 1e3
+        if e.name in LAUNCH_APIS:
+            row["launches"] += 1
+            row["launch_api_ms"] += (e.time_range.end - e.time_range.start) / 1e3
+        if e.cpu_parent is None:
+            ms = (e.time_range.end - e.time_range.start) / 1e3
+            row["by_region"][host_region(e.name)] += ms
+            row["by_top_level_op"][e.name[:100]] += ms
+    out: dict[str, Any] = {}
+    for name, row in sorted(per.items(), key=lambda kv: -kv[1]["self_cpu_ms"])[:6]:
+        out[name] = {
+            "self_cpu_ms_per_step": row["self_cpu_ms"] / steps,
+            "launches_per_step": row["launches"] / steps,
+            "launch_api_ms_per_step": row["launch_api_ms"] / steps,
+            "top_level_ms_per_step_by_region": {
+                k: v / steps for k, v in sorted(row["by_region"].items(), key=lambda kv: -kv[1])
+            },
+            "top_level_ms_per_step_by_op": {
+                k: v / steps for k, v in sorted(row["by_top_level_op"].items(), key=lambda kv: -kv[1])[:top]
+            },
+        }
+    return out
+
+
+def main_thread_of(events: list[Any]) -> int | None:
+    """The thread with the most CPU events (the one that runs the step and launches the forward)."""
+    counts: dict[int, int] = defaultdict(int)
+    for e in events:
+        if e.device_type == DeviceType.CPU:
+            counts[e.thread] += 1
+    return max(counts, key=lambda t: counts[t]) if counts else None
+
+
 def summarize(prof: torch.profiler.profile, steps: int, top: int = 15) -> dict[str, Any]:
     """The loop-level numbers described in the module docstring (times in ms)."""
     events = list(prof.events())
@@ -82,7 +163,7 @@ def summarize(prof: torch.profiler.profile, steps: int, top: int = 15) -> dict[s
     threads: dict[int, float] = defaultdict(float)
     for e in cpu:
         threads[e.thread] += e.self_cpu_time_total / 1e3
-    main_thread = max(threads, key=lambda t: sum(1 for e in cpu if e.thread == t)) if threads else None
+    main_thread = main_thread_of(events)
     top_level = [e for e in cpu if e.thread == main_thread and e.cpu_parent is None]
     gap_rows = []
     for a, b in gaps[:10]:
@@ -119,4 +200,5 @@ def summarize(prof: torch.profiler.profile, steps: int, top: int = 15) -> dict[s
         "top_kernels_ms_per_step": {
             k: v / steps for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
         },
+        "host": host_breakdown(events, steps, main_thread),
     }
