@@ -6,20 +6,26 @@ Catches compile errors of the Hopper-only paths (TMA descriptors, warp specializ
 the installed Triton may differ from the one on the GPU. bf16, D = Dv = 128, 8 warps, 3 stages. ``fp32``
 compiles the tiled kernels' fp32 candidates (exact products: FMA dots) and prints each one's compile time
 (the first-call cost of an fp32 bucket) and FMA count per thread, with ``--warps N`` to compare warp counts.
+``onetile`` compiles the one-tile backward kernels of cross-attention (``short_kv``, 64 keys) and PMA
+(``few_q``, 32 queries), whole-stream and split, and the split's partial-sum kernel, at their autotune
+candidates, and adds ptxas's registers and spills per thread (``ptxas -v``, also with ``--regs`` for the
+other modes).
 ``--ptx-dir DIR`` writes each kernel's PTX there without its debug information (``.loc``/``.file`` lines,
 ``$L__tmp`` labels, the DWARF sections: they follow the source lines), so that a refactoring of the
 kernels' Triton source can be shown to leave the generated code unchanged (``diff -r BEFORE AFTER``).
 
     export PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':')
     python packages/gem-kernels/benchmarks/compile_sm90.py [fwd dq dkdv tiled fp32] [--warps N] \\
-        [--ptx-dir DIR]
+        [--ptx-dir DIR] [--regs] [onetile]
 """
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -29,10 +35,13 @@ from triton.compiler import ASTSource
 
 from gem_kernels.triton_kernels import attention_bwd as triton_bwd
 from gem_kernels.triton_kernels import attention_fwd as triton_fwd
+from gem_kernels.triton_kernels import attention_onetile as triton_onetile
 from gem_kernels.triton_kernels import attention_persistent as triton_persistent
 
-_BF16 = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV_"}
+_BF16 = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV_", "X"}
+_FP32 = {"LSE", "DELTA", "DK_part", "DV_part", "DQ_part", "Part"}
 PTX_DIR: str | None = None  # --ptx-dir
+REGS = False  # --regs (always for onetile)
 _DEBUG_LINE = re.compile(r"^\s*(\.(loc|file)\b.*|\$L__tmp\d+:\s*)$\n?", re.MULTILINE)
 
 
@@ -42,7 +51,38 @@ def code_only(ptx: str) -> str:
     return _DEBUG_LINE.sub("", ptx[: cut.start()] if cut else ptx)
 
 
-_PTR32 = {"q_offsets", "kv_offsets", "tiles", "count", "counter"}
+_PTR32 = {"q_offsets", "kv_offsets", "offsets", "chunk_starts", "tiles", "count", "counter"}
+
+
+def ptxas_usage(ptx: str) -> str:
+    """``regs N spill-stores B spill-loads B`` of the kernel in ``ptx``, from ``ptxas -v`` (Triton's own
+    ptxas, for the PTX's target), or why not."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    target = re.search(r"^\s*\.target\s+(\w+)", ptx, re.MULTILINE)
+    arch = target.group(1) if target else "sm_90a"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        try:
+            ptxas = get_ptxas(90)  # Triton 3.7: by architecture
+        except TypeError:
+            ptxas = get_ptxas()
+        path = ptxas if isinstance(ptxas, str) else ptxas.path
+        proc = subprocess.run(
+            [path, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    out = proc.stdout + proc.stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    if proc.returncode != 0 or not regs:
+        return f"ptxas failed: {out.strip()[-300:]}"
+    stores, loads = spill.groups() if spill else ("?", "?")
+    return f"regs {regs.group(1)}  spill-stores {stores}B  spill-loads {loads}B"
 
 
 def signature(fn: Any, consts: dict[str, Any]) -> dict[str, str]:
@@ -52,7 +92,7 @@ def signature(fn: Any, consts: dict[str, Any]) -> dict[str, str]:
             sig[name] = "constexpr"
         elif name in _BF16:
             sig[name] = "*bf16"
-        elif name in ("LSE", "DELTA"):
+        elif name in _FP32:
             sig[name] = "*fp32"
         elif name in _PTR32:
             sig[name] = "*i32"
@@ -73,7 +113,13 @@ def divisible(fn: Any, sig: dict[str, str]) -> dict[tuple[int, ...], list[list[A
 
 
 def report(
-    label: str, fn: Any, consts: dict[str, Any], fp32: bool = False, num_warps: int = 8, num_stages: int = 3
+    label: str,
+    fn: Any,
+    consts: dict[str, Any],
+    fp32: bool = False,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    regs: bool = False,
 ) -> None:
     t0 = time.time()
     sig = signature(fn, consts)
@@ -98,9 +144,46 @@ def report(
         f"{label}: ok {time.time() - t0:.0f}s  tma {ptx.count('cp.async.bulk.tensor')}  "
         f"cp.async {ptx.count('cp.async.cg') + ptx.count('cp.async.ca')}  "
         f"wgmma {ptx.count('wgmma.mma_async')}  "
-        f"smem {k.metadata.shared}  setmaxnreg {ptx.count('setmaxnreg')}  fma {ptx.count('fma.rn.f32')}",
+        f"smem {k.metadata.shared}  setmaxnreg {ptx.count('setmaxnreg')}  fma {ptx.count('fma.rn.f32')}"
+        + (f"  {ptxas_usage(ptx)}" if regs or REGS else ""),
         flush=True,
     )
+
+
+def report_onetile(base: dict[str, Any]) -> None:
+    """The one-tile backward kernels, whole-stream and split, at their autotune candidates (attention.py's
+    ``_bwd_*_tuned``: streamed tile, warps, stages), silu (the benchmark's cross/PMA activation, hardware
+    tanh) and softmax; resident tile 64 keys (short_kv) or 32 queries (few_q); then the partial sums."""
+    kernels = [
+        ("bwd_short_kv", triton_onetile.bwd_short_kv_kernel, "BLOCK_M", {"BLOCK_N": 64}),
+        ("bwd_short_kv_split", triton_onetile.bwd_short_kv_split_kernel, "BLOCK_M", {"BLOCK_N": 64}),
+        ("bwd_few_q", triton_onetile.bwd_few_q_kernel, "BLOCK_N", {"BLOCK_M": 32}),
+        ("bwd_few_q_split", triton_onetile.bwd_few_q_split_kernel, "BLOCK_N", {"BLOCK_M": 32}),
+    ]
+    for label, fn, stream, resident in kernels:
+        for blk, w, st in [(64, 4, 3), (128, 8, 3)]:
+            for act in (1, 0):
+                consts = dict(base, ACT=act, FAST_ACT=act == 1, **resident, **{stream: blk})
+                if "split" in label:
+                    consts["LOG_B"] = 10  # B = 1024
+                report(
+                    f"{label} {stream}={blk} w{w} s{st} act={act}",
+                    fn,
+                    consts,
+                    num_warps=w,
+                    num_stages=st,
+                    regs=True,
+                )
+    for rows in (64, 32):
+        consts = dict(D=128, BLOCK_R=rows, BLOCK_D=128)
+        report(
+            f"sum_chunk_partials BLOCK_R={rows} w4",
+            triton_onetile.sum_chunk_partials_kernel,
+            consts,
+            num_warps=4,
+            num_stages=3,
+            regs=True,
+        )
 
 
 def main() -> None:
@@ -114,8 +197,11 @@ def main() -> None:
         "dq": (triton_bwd.dq_kernel, 128, 64),
         "dkdv": (triton_bwd.dkdv_kernel, 64, 128),
     }
-    global PTX_DIR
+    global PTX_DIR, REGS
     args = sys.argv[1:]
+    if "--regs" in args:
+        REGS = True
+        args.remove("--regs")
     if "--ptx-dir" in args:
         i = args.index("--ptx-dir")
         PTX_DIR = args[i + 1]
@@ -128,6 +214,9 @@ def main() -> None:
     which = args or [*persistent, "tiled"]
     base = dict(D=128, DV=128, BLOCK_D=128, BLOCK_DV=128, PRECISION="tf32")
     for name in which:
+        if name == "onetile":
+            report_onetile(base)
+            continue
         if name == "fp32":
             from gem_kernels.triton_kernels.attention import _CANDIDATES_FP32
 

@@ -5,13 +5,16 @@ before triton is first imported, which a pytest process cannot guarantee). For e
 relative Frobenius errors of the kernel's output and of its three gradients against the fp64 reference,
 and the same errors of the reference run in the case's dtype (the bound the test scales).
 
-Usage: ``TRITON_INTERPRET=1 python attention_interpreter_cases.py``.
+Usage: ``TRITON_INTERPRET=1 python attention_interpreter_cases.py [--split]`` (``--split``: only the
+cases of the split one-tile backward, :func:`split_cases`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise SystemExit("run with TRITON_INTERPRET=1")
@@ -74,6 +77,7 @@ def run_case(
     offsets_dtype=torch.int32,
     variant="onetile",
     strided=False,
+    chunk=None,
 ):
     g = torch.Generator().manual_seed(seed)
     cross = lk is not None
@@ -95,7 +99,8 @@ def run_case(
         for t in leaves:
             t.requires_grad_(True)
         args = [t[..., : x.shape[-1]] for t, x in zip(leaves, (q, k, v))]
-        with use_backend(backend), triton_attention.force_variant(variant):
+        chunked = triton_attention.force_chunk(chunk) if chunk else contextlib.nullcontext()
+        with use_backend(backend), triton_attention.force_variant(variant), chunked:
             if blocks_ is not None:
                 with triton_attention.force_blocks(*blocks_):
                     out = _call(act, *args, qo, ko, mq, mk, causal, window)
@@ -206,7 +211,76 @@ def edge_cases():
     ]
 
 
+def split_cases():
+    """The split one-tile backward (``onetile_split``) with small chunks, so that sequences span several:
+    (name, act, q lengths, kv lengths or None, causal, window, dtype, chunk rows). Blocks are 32x32 (the
+    streamed tile is 32 rows): chunks of 32 are one tile, 48 and 24 are not a whole number of tiles. Lengths
+    0 and 1, one chunk exactly, several chunks with a partial last one, an empty key (cross) or query (PMA)
+    sequence beside a long other side."""
+    cross_q, cross_kv = [70, 3, 0, 33, 1, 100, 32], [5, 0, 9, 1, 16, 12, 7]
+    pma_q, pma_kv = [4, 1, 7, 0, 32, 5], [70, 35, 0, 12, 130, 32]
+    short_self = [20, 0, 1, 33, 64]
+    return [
+        ("split-cross-softmax-chunk32", "softmax", cross_q, cross_kv, False, None, torch.float32, 32),
+        ("split-cross-silu-chunk48", "silu", cross_q, cross_kv, False, None, torch.float32, 48),
+        (
+            "split-cross-long-kv-gelu-chunk32",
+            "gelu",
+            [70, 3, 0, 40],
+            [64, 0, 40, 1],
+            False,
+            None,
+            torch.float32,
+            32,
+        ),
+        ("split-cross-whole-chunk-relu2", "relu2", cross_q, cross_kv, False, None, torch.float32, 128),
+        ("split-pma-softmax-chunk32", "softmax", pma_q, pma_kv, False, None, torch.float32, 32),
+        ("split-pma-silu-chunk40", "silu", pma_q, pma_kv, False, None, torch.float32, 40),
+        (
+            "split-short-self-softmax-causal_window-chunk32",
+            "softmax",
+            short_self,
+            None,
+            True,
+            (9, 7),
+            torch.float32,
+            32,
+        ),
+        ("split-short-self-silu-window-chunk24", "silu", short_self, None, False, (4, 11), torch.float32, 24),
+        ("split-fp16-cross-softmax-chunk32", "softmax", cross_q, cross_kv, False, None, torch.float16, 32),
+        ("split-fp16-pma-silu-chunk48", "silu", pma_q, pma_kv, False, None, torch.float16, 48),
+    ]
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--split"]:
+        results = [
+            run_case(name, act, lq, lk, causal, window, dtype, variant="onetile_split", chunk=chunk)
+            for name, act, lq, lk, causal, window, dtype, chunk in split_cases()
+        ]
+        # Strided inputs and int64 offsets through the split kernels and their schedule.
+        lq, lk = [70, 3, 0, 33], [5, 0, 9, 1]
+        for name, kwargs in [
+            ("strided", dict(strided=True)),
+            ("int64-offsets", dict(offsets_dtype=torch.int64)),
+        ]:
+            for what, (lq_, lk_) in [("cross", (lq, lk)), ("pma", ([4, 1, 7, 0], [70, 35, 0, 12]))]:
+                results.append(
+                    run_case(
+                        f"split-{name}-{what}-silu-chunk32",
+                        "silu",
+                        lq_,
+                        lk_,
+                        False,
+                        None,
+                        torch.float32,
+                        variant="onetile_split",
+                        chunk=32,
+                        **kwargs,
+                    )
+                )
+        print("JSON:" + json.dumps(results))
+        return
     results = []
     for name, act, lq, lk, causal, window, dtype in cases():
         results.append(run_case(name, act, lq, lk, causal, window, dtype))

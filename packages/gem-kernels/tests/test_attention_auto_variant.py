@@ -85,3 +85,105 @@ def test_persistent_autotuners_time_the_first_candidates_and_persist(monkeypatch
         assert isinstance(tuned.persistent, tune_cache.PersistentTuning)
         assert tuned.reset_to_zero == ["counter"]
     assert tp._CANDIDATES["fwd"][0] == (64, 8, 3) and tp._CANDIDATES["dkdv"][0] == (64, 8, 3)
+
+
+def _fake_kernel_a():  # stand-ins for kernels: the cache hashes this file for them
+    pass
+
+
+def _fake_kernel_b():
+    pass
+
+
+def _recorders(calls, costs):
+    """Launchers ``tiled``, ``onetile``, ``split`` that record their name and sleep ``costs[name]`` s."""
+    import time
+
+    def make(name):
+        def launch():
+            calls.append(name)
+            time.sleep(costs.get(name, 0.0))
+
+        return launch
+
+    return make("tiled"), make("onetile"), make("onetile_split")
+
+
+def test_onetile_split_is_forced_like_the_others():
+    """``onetile_split`` runs the split launcher where one exists (the backward), else the one-tile one (the
+    forward); ``onetile`` and ``tiled`` are unchanged; the name is a known variant."""
+    assert "onetile_split" in ta.VARIANTS
+    calls = []
+    tiled, onetile, split = _recorders(calls, {})
+    key = ("test-forced",)
+    for variant, with_split, expected in [
+        ("onetile_split", True, "onetile_split"),
+        ("onetile_split", False, "onetile"),
+        ("onetile", True, "onetile"),
+        ("tiled", True, "tiled"),
+    ]:
+        calls.clear()
+        with ta.force_variant(variant):
+            ta._choose(
+                key, [_fake_kernel_a], torch.device("cpu"), tiled, onetile, split if with_split else None
+            )
+        assert calls == [expected], (variant, with_split)
+    with pytest.raises(ValueError):
+        ta.force_chunk(0).__enter__()
+
+
+@pytest.fixture
+def interpreted_auto(monkeypatch, tmp_path):
+    """``auto`` times and uses the disk cache (in ``tmp_path``) as on CUDA, by wall clock."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("GEM_KERNELS_CACHE", str(tmp_path))
+    monkeypatch.setattr(ta, "variant_choice", {})
+    with ta.tune_in_interpreter(), ta.force_variant("auto"):
+        yield tmp_path
+
+
+def test_auto_times_the_split_backward_too_and_reads_its_choice_back(interpreted_auto):
+    calls = []
+    costs = {"tiled": 0.03, "onetile": 0.02, "onetile_split": 0.0}
+    key = ("bwd-test", 1024, 2048, 64, 0)
+    kernels = [_fake_kernel_a, _fake_kernel_b]
+    ta._choose(key, kernels, torch.device("cpu"), *_recorders(calls, costs))
+    # Each candidate: one launch to compile and tune, one timed; then the winner runs.
+    assert calls == ["tiled"] * 2 + ["onetile"] * 2 + ["onetile_split"] * 3
+    assert ta.variant_choice[key] == "onetile_split"
+    # A new process (empty in-memory choices) reads the choice from disk and times nothing.
+    ta.variant_choice.clear()
+    calls.clear()
+    ta._choose(key, kernels, torch.device("cpu"), *_recorders(calls, costs))
+    assert calls == ["onetile_split"]
+
+
+def test_two_candidate_cache_entries_still_read_and_never_break_three(interpreted_auto):
+    """An entry stored when a bucket had two candidates (every entry before ``onetile_split``, and the
+    forward's still) is read by a two-candidate choice and ignored, not misread, by a three-candidate one."""
+    from gem_kernels import tune_cache
+
+    key = ("bwd-test-old", 1024, 2048, 64, 0)
+    kernels = [_fake_kernel_a]
+    old = {"tiled": lambda: 2.0, "onetile": lambda: 1.0}
+    assert tune_cache.choose(key, kernels, old) == ("onetile", False)
+    calls = []
+    tiled, onetile, split = _recorders(calls, {"tiled": 0.02, "onetile": 0.01})
+    ta._choose(key, kernels, torch.device("cpu"), tiled, onetile)  # the forward: no split candidate
+    assert calls == ["onetile"]  # the old entry, read: nothing timed
+    ta.variant_choice.clear()
+    calls.clear()
+    ta._choose(key, kernels, torch.device("cpu"), tiled, onetile, split)
+    assert calls == ["tiled"] * 2 + ["onetile"] * 2 + ["onetile_split"] * 3
+    assert len(list((interpreted_auto / "v1").iterdir())) == 2  # the old entry kept beside the new one
+    assert tune_cache.choose(key, kernels, old) == ("onetile", True)
+
+
+def test_split_schedule_counts_chunks_on_the_device_and_bounds_the_grid():
+    lengths = [0, 1, 1024, 1025, 3000, 2048]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    starts, grid = ta.split_schedule(offsets, sum(lengths), max(lengths), 1024, 4)
+    # One chunk even for an empty sequence; ceil(len / 1024) otherwise.
+    assert starts.tolist() == [0, 1, 2, 3, 5, 8, 10]
+    assert grid == (min(6 + sum(lengths) // 1024, 6 * 3), 4)
+    assert grid[0] >= starts[-1].item()

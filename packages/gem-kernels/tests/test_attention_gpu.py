@@ -1,12 +1,15 @@
 """The attention Triton kernels on CUDA in bf16/fp16 against the fp32 reference (skipped without a GPU).
 
 Blocks are fixed at 64x64 (the short side of a one-tile kernel at its bucket) and the implementation is
-forced ("tiled" general kernels, or "onetile" where it applies): one compile per case instead of an
-autotuning sweep. The autotuned configurations are checked at the benchmark shapes by
+forced ("tiled" general kernels, "onetile" where it applies, or "onetile_split" with chunks of
+``SPLIT_CHUNK_ROWS`` so that long sequences span several): one compile per case instead of an autotuning
+sweep. The autotuned configurations are checked at the benchmark shapes by
 ``benchmarks/bench_attention.py``.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -50,6 +53,7 @@ def _run(act, q, k, v, qo, ko, mq, mk, causal, window):
 
 
 LQ_SHORT = [20, 0, 1, 33, 64, 64, 7, 50]
+SPLIT_CHUNK_ROWS = 128  # LQ up to 600 queries: 5 chunks; LK_PMA up to 1500 keys: 12
 ONETILE_CASES = [
     # Cross (short keys), PMA (few queries) and short self-attention: the one-tile kernels.
     ("softmax", LQ, LK_CROSS, False, None, 128),
@@ -67,8 +71,11 @@ ONETILE_CASES = [
     + [("tiled", torch.float16, *c) for c in CASES[:1] + CASES[5:7]]
     + [("onetile", torch.bfloat16, *c) for c in ONETILE_CASES]
     + [("onetile", torch.float16, *c) for c in ONETILE_CASES[:2]]
-    # Strided inputs (padded rows and heads), read in place by both implementations.
-    + [("strided-tiled", torch.bfloat16, *CASES[0]), ("strided-onetile", torch.bfloat16, *ONETILE_CASES[3])],
+    + [("onetile_split", torch.bfloat16, *c) for c in ONETILE_CASES]
+    + [("onetile_split", torch.float16, *ONETILE_CASES[0])]
+    # Strided inputs (padded rows and heads), read in place by every implementation.
+    + [("strided-tiled", torch.bfloat16, *CASES[0]), ("strided-onetile", torch.bfloat16, *ONETILE_CASES[3])]
+    + [("strided-onetile_split", torch.bfloat16, *ONETILE_CASES[3])],
 )
 def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, window, d):
     torch.manual_seed(0)
@@ -78,7 +85,7 @@ def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, wind
     q, k, v = (torch.randn(sum(n), 4, d, device="cuda").to(dtype) for n in (lq, lk_, lk_))
     dout = torch.randn(sum(lq), 4, d, device="cuda").to(dtype)
 
-    from gem_kernels.triton_kernels.attention import force_blocks, force_variant
+    from gem_kernels.triton_kernels.attention import force_blocks, force_chunk, force_variant
 
     strided = variant.startswith("strided-")
 
@@ -91,7 +98,13 @@ def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, wind
             .requires_grad_(True)
             for t in (q, k, v)
         ]
-        with use_backend(backend), force_blocks(64, 64), force_variant(variant.removeprefix("strided-")):
+        chunked = force_chunk(SPLIT_CHUNK_ROWS) if "split" in variant else contextlib.nullcontext()
+        with (
+            use_backend(backend),
+            force_blocks(64, 64),
+            force_variant(variant.removeprefix("strided-")),
+            chunked,
+        ):
             out = _run(act, *(t[..., :d] for t in leaves), qo, ko, mq, mk, causal, window)
             out.backward(dout.to(cdtype))
         return [out.detach(), *(t.grad[..., :d] for t in leaves)]

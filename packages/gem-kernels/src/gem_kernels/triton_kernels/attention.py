@@ -7,9 +7,12 @@ keys (cross-attention, <= 64 keys: ``short_kv``), few queries (PMA, <= 32: ``few
 
 For the two asymmetric classes there is a second implementation (:mod:`.attention_onetile`: one program per
 sequence and head, the short side in registers, the long side streamed): the forward of ``short_kv`` and
-the fused backward of ``short_kv`` and ``few_q``. ``GEM_KERNELS_ATTENTION_VARIANT`` (or
-:func:`force_variant`) picks ``tiled``, ``onetile``, or ``auto`` (the default): on CUDA the first call of
-each bucket times both implementations (each autotuned) and keeps the faster, like an autotuner over kernels.
+the fused backward of ``short_kv`` and ``few_q``; the backward also comes split (``onetile_split``: the long
+side cut into chunks of :data:`SPLIT_CHUNK` rows, one program per chunk and head, and a small pass that
+sums the chunks' fp32 partials of the short side's gradient). ``GEM_KERNELS_ATTENTION_VARIANT`` (or
+:func:`force_variant`) picks ``tiled``, ``onetile``, ``onetile_split`` (the split backward, the one-tile
+forward), or ``auto`` (the default): on CUDA the first call of each bucket times every implementation that
+applies (each autotuned) and keeps the fastest, like an autotuner over kernels.
 On Hopper, ``auto`` also runs the general shape class on the persistent TMA kernels
 (:mod:`.attention_persistent_launch`) where they measured faster: see :func:`auto_persistent_variant`.
 
@@ -42,8 +45,11 @@ from gem_kernels.triton_kernels.attention_bwd import dkdv_kernel, dq_kernel
 from gem_kernels.triton_kernels.attention_fwd import fwd_kernel
 from gem_kernels.triton_kernels.attention_onetile import (
     bwd_few_q_kernel,
+    bwd_few_q_split_kernel,
     bwd_short_kv_kernel,
+    bwd_short_kv_split_kernel,
     fwd_short_kv_kernel,
+    sum_chunk_partials_kernel,
 )
 from gem_kernels.tune_cache import tune_candidates
 
@@ -60,12 +66,22 @@ FEW_Q = 32  # PMA-style pooling with at most this many queries per sequence
 _forced: tuple[int, int] | None = None
 _tune_interpreted = False  # tests: autotune (and choose variants) under the interpreter too
 _forced_variant: str | None = None
+_forced_chunk: int | None = None
+# Rows of the long side per program of the split one-tile backward, per shape class: queries for short_kv
+# (cross), keys for few_q (PMA). A multiple of every candidate tile (64, 128). Sequences of at most this
+# many rows are one chunk and write their gradients directly. Chosen, not yet timed: at the benchmark's
+# shapes (B=1024, H=4, D=128) 1024 splits half the sequences (cross: queries 1-2000, longest program 1024 rows
+# instead of 1999; PMA: keys log-normal <= 4096, 1024 instead of 4096). The fp32 partials (written and read
+# back once) and the short side's reloads per extra chunk add 0.38 GB to cross's 3.41 GB least backward
+# traffic (+11%; +7% of fwd+bwd) and 0.24 GB to PMA's 5.99 (+4%; +3%); chunks of 512 would add 26% and 9%.
+SPLIT_CHUNK = {"short_kv": 1024, "few_q": 1024}
 # "persistent", "tma", "tma_ws": the persistent-grid kernels (:mod:`.attention_persistent_launch`), forced;
 # "auto" takes "tma" where :func:`auto_persistent_variant` says it wins.
 PERSISTENT_VARIANTS = ("persistent", "tma", "tma_ws")
-VARIANTS = ("tiled", "onetile", "auto", *PERSISTENT_VARIANTS)
-# "auto": where a one-tile kernel applies, time it against the tiled kernels once per bucket and keep the
-# faster (on the H200 the one-tile kernels won the cross forward and backward and the PMA backward).
+VARIANTS = ("tiled", "onetile", "onetile_split", "auto", *PERSISTENT_VARIANTS)
+# "auto": where a one-tile kernel applies, time it (and the split backward) against the tiled kernels once
+# per bucket and keep the fastest (on the H200 the one-tile kernels won the cross forward and backward and
+# the PMA backward; the split backward is not timed yet).
 DEFAULT_VARIANT = os.environ.get("GEM_KERNELS_ATTENTION_VARIANT", "auto")
 if DEFAULT_VARIANT not in VARIANTS:
     raise ValueError(f"GEM_KERNELS_ATTENTION_VARIANT must be one of {VARIANTS}, got {DEFAULT_VARIANT!r}")
@@ -135,14 +151,29 @@ def tune_in_interpreter() -> Iterator[None]:
         _tune_interpreted = old
 
 
+@contextlib.contextmanager
+def force_chunk(rows: int) -> Iterator[None]:
+    """Cut the long side of the split one-tile backward into chunks of ``rows`` rows (tests; any ``rows >=
+    1``, a multiple of the streamed tile or not) instead of :data:`SPLIT_CHUNK`."""
+    global _forced_chunk
+    if rows < 1:
+        raise ValueError(f"chunk rows must be >= 1, got {rows}")
+    old, _forced_chunk = _forced_chunk, rows
+    try:
+        yield
+    finally:
+        _forced_chunk = old
+
+
 def _fixed_blocks() -> bool:
     return _forced is not None or (triton_interpreted() and not _tune_interpreted)
 
 
 @contextlib.contextmanager
 def force_variant(name: str) -> Iterator[None]:
-    """Use ``"tiled"`` (the general kernels), ``"onetile"`` where it applies, ``"auto"`` (time both), or a
-    persistent variant (``"persistent"``, ``"tma"``, ``"tma_ws"``: every shape class)."""
+    """Use ``"tiled"`` (the general kernels), ``"onetile"`` where it applies, ``"onetile_split"`` (the same,
+    with the split backward), ``"auto"`` (time those that apply), or a persistent variant (``"persistent"``,
+    ``"tma"``, ``"tma_ws"``: every shape class)."""
     global _forced_variant
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}")
@@ -295,7 +326,13 @@ _fwd_short_kv_tuned = _onetile_tuned("fwd_short_kv", fwd_short_kv_kernel, "BLOCK
 _bwd_short_kv_tuned = _onetile_tuned("bwd_short_kv", bwd_short_kv_kernel, "BLOCK_M",
                                      [(64, 4, 3), (128, 8, 3)])
 _bwd_few_q_tuned = _onetile_tuned("bwd_few_q", bwd_few_q_kernel, "BLOCK_N", [(64, 4, 3), (128, 8, 3)])
-# (family, buckets, constexprs, dtype) -> "tiled" or "onetile", decided by timing on the first call.
+# The split kernels: the same candidates as their whole-stream versions (not yet timed on the H200).
+_bwd_short_kv_split_tuned = _onetile_tuned("bwd_short_kv_split", bwd_short_kv_split_kernel, "BLOCK_M",
+                                           [(64, 4, 3), (128, 8, 3)])
+_bwd_few_q_split_tuned = _onetile_tuned("bwd_few_q_split", bwd_few_q_split_kernel, "BLOCK_N",
+                                        [(64, 4, 3), (128, 8, 3)])
+# (family, buckets, constexprs, dtype) -> "tiled", "onetile" or "onetile_split", decided by timing on the
+# first call.
 variant_choice: dict[tuple[Any, ...], str] = {}
 
 
@@ -325,14 +362,19 @@ def _with_fast_act_fallback(launch: Callable[[Consts], None], consts: Consts) ->
 
 def _choose(
     key: tuple[Any, ...], kernels: list[Any], device: torch.device, tiled: Callable[[], None],
-    onetile: Callable[[], None],
+    onetile: Callable[[], None], split: Callable[[], None] | None = None,
 ) -> None:
-    """Run ``onetile`` or ``tiled`` (callables that launch), per the forced or default variant; "auto" on
-    CUDA times both once per key and keeps the faster, on disk too (:mod:`gem_kernels.tune_cache`: a new
-    process reads the choice and compiles only the winner). Under the interpreter it runs ``onetile``."""
+    """Run ``tiled``, ``onetile`` or ``split`` (callables that launch; ``split`` only where a split kernel
+    exists, else ``onetile_split`` runs ``onetile``), per the forced or default variant; "auto" on CUDA
+    times each once per key and keeps the fastest, on disk too (:mod:`gem_kernels.tune_cache`: a new process
+    reads the choice and compiles only the winner). Under the interpreter it runs ``onetile``.
+
+    The candidates' names and kernels are part of the disk key, so a choice stored when there were two
+    candidates (before ``onetile_split``) is not read for three: the bucket is timed once more."""
     variant = _forced_variant or DEFAULT_VARIANT
+    launches = {"tiled": tiled, "onetile": onetile, "onetile_split": split or onetile}
     if variant != "auto" or (triton_interpreted() and not _tune_interpreted):
-        (tiled if variant == "tiled" else onetile)()
+        launches.get(variant, onetile)()
         return
     if key not in variant_choice:
         def timer(launch: Callable[[], None]) -> Callable[[], float]:
@@ -341,17 +383,21 @@ def _choose(
                 return float(tune_cache.default_bench(launch, (0.5,))[0])
             return run
 
-        def onetile_timer() -> float:
-            try:
-                return timer(onetile)()
-            except Exception as e:  # a kernel this GPU/Triton cannot build: keep the general kernels
-                warnings.warn(f"one-tile attention kernel unavailable ({type(e).__name__}: {e}); using the "
-                              "tiled kernels", stacklevel=4)
-                return float("inf")
+        def guarded(name: str, launch: Callable[[], None]) -> Callable[[], float]:
+            def run() -> float:
+                try:
+                    return timer(launch)()
+                except Exception as e:  # a kernel this GPU/Triton cannot build: keep the others
+                    warnings.warn(f"{name} attention kernel unavailable ({type(e).__name__}: {e}); timing "
+                                  "the others", stacklevel=5)
+                    return float("inf")
+            return run
 
-        variant_choice[key], _ = tune_cache.choose(
-            key, kernels, {"tiled": timer(tiled), "onetile": onetile_timer}, device)
-    (onetile if variant_choice[key] == "onetile" else tiled)()
+        timers = {"tiled": timer(tiled), "onetile": guarded("one-tile", onetile)}
+        if split is not None:
+            timers["onetile_split"] = guarded("split one-tile", split)
+        variant_choice[key], _ = tune_cache.choose(key, kernels, timers, device)
+    launches[variant_choice[key]]()
 
 
 def _launch(
@@ -504,7 +550,73 @@ def attention_bwd(
             _launch_onetile(_bwd_few_q_tuned, bwd_few_q_kernel, (batch * heads,), args, consts,
                             {"BLOCK_M": buckets[1]})
 
+    def split() -> None:
+        # (long side's offsets, rows, longest; short side's offsets and the gradients summed over chunks)
+        if kind == "short_kv":
+            _launch_split(kind, args, q_offsets, q.shape[0], max_q_len, kv_offsets, (dk, dv), buckets, consts)
+        else:
+            _launch_split(kind, args, kv_offsets, k.shape[0], max_kv_len, q_offsets, (dq,), buckets, consts)
+
     fused = bwd_short_kv_kernel if kind == "short_kv" else bwd_few_q_kernel
-    _choose(_choice_key("bwd", q, buckets, consts), [dq_kernel, dkdv_kernel, fused], q.device, tiled,
-            onetile)
+    fused_split = bwd_short_kv_split_kernel if kind == "short_kv" else bwd_few_q_split_kernel
+    _choose(_choice_key("bwd", q, buckets, consts),
+            [dq_kernel, dkdv_kernel, fused, fused_split, sum_chunk_partials_kernel], q.device, tiled, onetile,
+            split)
     return dq, dk, dv
+
+
+def split_schedule(
+    long_offsets: torch.Tensor, total_long: int, max_long: int, chunk: int, heads: int
+) -> tuple[torch.Tensor, Grid]:
+    """``(chunk_starts, grid)`` of a split one-tile backward (no host sync).
+
+    Sequence ``b`` owns ``max(1, ceil(len_b / chunk))`` chunks of its long side (one even when empty: it
+    writes the zero gradient of its short side); ``chunk_starts`` ``[B+1]`` int32 on the device is their
+    exclusive prefix sum. The grid ``(P, H)`` bounds the chunk count from the host ints: ``max(1, ceil(n /
+    c)) <= 1 + n // c`` per sequence gives ``P <= B + total // c``, and at most ``B * max(1, ceil(max_len /
+    c))``; the spare programs (P minus the true count, under one per sequence) exit at once."""
+    batch = long_offsets.numel() - 1
+    lengths = long_offsets[1:] - long_offsets[:-1]
+    counts = torch.clamp_min(torch.div(lengths + (chunk - 1), chunk, rounding_mode="floor"), 1)
+    chunk_starts = torch.zeros(batch + 1, dtype=torch.int32, device=long_offsets.device)
+    chunk_starts[1:] = torch.cumsum(counts, 0)
+    programs = min(batch + total_long // chunk, batch * max(1, triton.cdiv(max_long, chunk)))
+    return chunk_starts, (programs, heads)
+
+
+def _launch_split(
+    kind: str, args: tuple[Any, ...], long_offsets: torch.Tensor, total_long: int, max_long: int,
+    short_offsets: torch.Tensor, short_grads: tuple[torch.Tensor, ...], buckets: tuple[int, int, int, int],
+    consts: Consts,
+) -> None:
+    """The split one-tile backward of ``kind`` (see :mod:`.attention_onetile`): the chunk schedule, the
+    fp32 workspace of the short side's partial gradients ``short_grads`` (dK, dV or dQ), the split kernel,
+    then the sum of the partials. ``args`` are the whole-stream kernel's; the workspace is allocated and the
+    sum launched only when some sequence is longer than a chunk (``max_long``)."""
+    chunk = _forced_chunk or SPLIT_CHUNK[kind]
+    batch, heads = short_offsets.numel() - 1, short_grads[0].shape[1]
+    chunk_starts, grid = split_schedule(long_offsets, total_long, max_long, chunk, heads)
+    block = buckets[2] if kind == "short_kv" else buckets[1]  # the resident (short) side's tile
+    split_needed = max_long > chunk
+    if split_needed:
+        parts = tuple(torch.empty(grid[0], heads, block, g.shape[2], dtype=torch.float32, device=g.device)
+                      for g in short_grads)
+    else:  # every sequence is one chunk: no workspace is touched (a 1-element placeholder pointer)
+        parts = tuple(torch.empty(1, dtype=torch.float32, device=g.device) for g in short_grads)
+    # The whole-stream kernels' arguments, with the schedule and workspace after the offsets, and the
+    # sequence count and chunk rows after the scales.
+    split_args = (*args[:11], chunk_starts, *parts, *args[11:-4], batch, chunk, *args[-4:])
+    resident = {"BLOCK_N" if kind == "short_kv" else "BLOCK_M": block,
+                "LOG_B": buckets[0].bit_length() - 1}
+    if kind == "short_kv":
+        _launch_onetile(_bwd_short_kv_split_tuned, bwd_short_kv_split_kernel, grid, split_args, consts,
+                        resident)
+    else:
+        _launch_onetile(_bwd_few_q_split_tuned, bwd_few_q_split_kernel, grid, split_args, consts, resident)
+    if not split_needed:
+        return
+    for part, g in zip(parts, short_grads, strict=True):
+        d = g.shape[2]
+        sum_chunk_partials_kernel[(batch, heads)](
+            part, g, chunk_starts, short_offsets, heads, D=d, BLOCK_R=block,
+            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4)

@@ -13,6 +13,18 @@ loop, so every tensor is read once and the loop's loads are pipelined:
 
 No atomics: a program writes only rows of its own sequence and head. Masks (the band, sequence ends) are
 applied on every tile. Layout and conventions as in :mod:`.attention_common`.
+
+Split backward (``*_split_kernel``): the same two backward kernels with the long side cut into chunks of
+``chunk`` rows (a whole number of streamed tiles), one program per (chunk, head), so that a long sequence no
+longer makes one long serial program. Sequence ``b`` owns ``max(1, ceil(len_b / chunk))`` chunks, numbered
+globally by ``chunk_starts`` ``[B+1]`` (an exclusive prefix sum of those counts, computed on the device);
+program ``p`` finds its sequence by a binary search of it (as :mod:`.block` does), and programs past
+``chunk_starts[B]`` (the grid is an upper bound, no host sync) exit at once. The streamed side's gradients
+are complete per tile, as before. The resident side's gradient (dK/dV of the keys for ``short_kv``, dQ of
+the queries for ``few_q``) is written directly when the sequence is one chunk; otherwise each chunk writes
+its fp32 partial to a workspace ``[chunks, H, BLOCK, D]`` (row ``p`` of chunk ``p``), and
+``sum_chunk_partials_kernel`` (one program per sequence and head) adds a sequence's partials in chunk order
+and rounds once: deterministic, no atomics.
 """
 
 # fmt: off
@@ -32,6 +44,7 @@ from gem_kernels.triton_kernels.attention_common import (
     program_seq_head,
     row_stats,
     score_scale,
+    seq_bounds,
     seq_pair_bounds,
     store_rows,
     visible_mask,
@@ -166,3 +179,153 @@ def bwd_few_q_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets,
         store_rows(DK, dk, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
         store_rows(DV_, dv, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
     store_rows(DQ, dq * g_scale, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
+
+
+@triton.jit
+def _sequence_of_chunk(chunk_starts, p, n_seqs, LOG_B: tl.constexpr):
+    """Largest ``b < n_seqs`` with ``chunk_starts[b] <= p``: a branchless binary search over ``2**LOG_B >=
+    n_seqs`` (as :mod:`.block`'s ``_sequence_of_block``; every sequence owns a chunk, so ``b`` is unique)."""
+    b = p * 0
+    for i in tl.static_range(LOG_B):
+        cand = b + (1 << (LOG_B - 1 - i))
+        start = tl.load(chunk_starts + cand, mask=cand < n_seqs, other=2147483647)
+        b = tl.where(start <= p, cand, b)
+    return b
+
+
+@triton.jit
+def program_chunk(chunk_starts, n_seqs, chunk, LOG_B: tl.constexpr):
+    """``(sequence b, head h, global chunk p, chunks of b, first long-side row of the chunk)`` of this
+    program of a split kernel (grid ``(chunks upper bound, H)``); ``p`` is past the last chunk for spare
+    programs (the caller returns first)."""
+    p = tl.program_id(0)
+    b = _sequence_of_chunk(chunk_starts, p, n_seqs, LOG_B)
+    first = tl.load(chunk_starts + b)
+    n_chunks = tl.load(chunk_starts + b + 1) - first
+    return b, tl.program_id(1), p, n_chunks, (p - first) * chunk
+
+
+@triton.jit
+def bwd_short_kv_split_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets, chunk_starts,
+                               DK_part, DV_part,
+                               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                               stride_oh,
+                               n_heads, left, right, qk_scale, out_scale, n_seqs, chunk,
+                               bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
+                               ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
+                               LOG_B: tl.constexpr):
+    """:func:`bwd_short_kv_kernel` over query rows ``[lo, lo + chunk)`` of one sequence (see the module
+    docstring): dQ of those rows, and dK/dV of the sequence (one chunk) or their partial (several)."""
+    if tl.program_id(0) >= tl.load(chunk_starts + n_seqs):
+        return
+    b, h, p, n_chunks, lo = program_chunk(chunk_starts, n_seqs, chunk, LOG_B)
+    q_start, len_q, kv_start, len_kv = seq_pair_bounds(q_offsets, kv_offsets, b)
+    hi = tl.minimum(lo + chunk, len_q)  # the chunk's rows end here: row_ok and the mask use it as len_q
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < len_kv
+    k = load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
+    v = load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
+    s_scale, g_scale, v_scale = bwd_scales(qk_scale, out_scale, ACT)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < hi
+        q = load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
+        do = load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
+        lse2, delta = row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
+                                 offs_dv, DV, ACT, BLOCK_M)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BM, BN]
+        visible = visible_mask(offs_m, offs_n, hi, len_kv, left, right)
+        p_, ds = _probs_and_dscores(s, dp, lse2, delta, visible, ACT, FAST_ACT)
+        dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * g_scale
+        store_rows(DQ, dq, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
+        dv = tl.dot(tl.trans(p_).to(do.dtype), do, dv, input_precision=PRECISION)
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
+    # One chunk: dK/dV; several: the partial, to the workspace [chunks, H, BLOCK_N, D] fp32. Both stores are
+    # issued and masked (no traffic for the masked one): an if/else spilled ~400 more bytes on sm_90.
+    dk = dk * g_scale
+    dv = dv * v_scale
+    whole, partial = col_ok & (n_chunks == 1), col_ok & (n_chunks > 1)
+    store_rows(DK, dk, kv_start, offs_n, whole, h, n_heads * D, D, offs_d, D)
+    store_rows(DV_, dv, kv_start, offs_n, whole, h, n_heads * DV, DV, offs_dv, DV)
+    part = p.to(tl.int64) * n_heads * BLOCK_N
+    store_rows(DK_part, dk, part, offs_n, partial, h, D, BLOCK_N * D, offs_d, D)
+    store_rows(DV_part, dv, part, offs_n, partial, h, DV, BLOCK_N * DV, offs_dv, DV)
+
+
+@triton.jit
+def bwd_few_q_split_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets, chunk_starts, DQ_part,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                            stride_oh,
+                            n_heads, left, right, qk_scale, out_scale, n_seqs, chunk,
+                            bucket_b, bucket_q, bucket_kv, band_kind,  # autotune keys only
+                            ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
+                            LOG_B: tl.constexpr):
+    """:func:`bwd_few_q_kernel` over key rows ``[lo, lo + chunk)`` of one sequence (see the module
+    docstring): dK/dV of those keys, and dQ of the sequence (one chunk) or its partial (several)."""
+    if tl.program_id(0) >= tl.load(chunk_starts + n_seqs):
+        return
+    b, h, p, n_chunks, lo = program_chunk(chunk_starts, n_seqs, chunk, LOG_B)
+    q_start, len_q, kv_start, len_kv = seq_pair_bounds(q_offsets, kv_offsets, b)
+    hi = tl.minimum(lo + chunk, len_kv)  # the chunk's keys end here: col_ok and the mask use it as len_kv
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < len_q
+    q = load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
+    do = load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
+    lse2, delta = row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
+                             offs_dv, DV, ACT, BLOCK_M)
+    s_scale, g_scale, v_scale = bwd_scales(qk_scale, out_scale, ACT)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < hi
+        k = load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
+        v = load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BM, BN]
+        visible = visible_mask(offs_m, offs_n, len_q, hi, left, right)
+        p_, ds = _probs_and_dscores(s, dp, lse2, delta, visible, ACT, FAST_ACT)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+        dv = tl.dot(tl.trans(p_).to(do.dtype), do, input_precision=PRECISION) * v_scale  # [BN, BDV]
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * g_scale  # [BN, BD]
+        store_rows(DK, dk, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
+        store_rows(DV_, dv, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
+    # One chunk: dQ; several: the partial, to the workspace [chunks, H, BLOCK_M, D] fp32 (masked stores, as
+    # in bwd_short_kv_split_kernel).
+    dq = dq * g_scale
+    store_rows(DQ, dq, q_start, offs_m, row_ok & (n_chunks == 1), h, n_heads * D, D, offs_d, D)
+    part = p.to(tl.int64) * n_heads * BLOCK_M
+    store_rows(DQ_part, dq, part, offs_m, row_ok & (n_chunks > 1), h, D, BLOCK_M * D, offs_d, D)
+
+
+@triton.jit
+def sum_chunk_partials_kernel(Part, X, chunk_starts, offsets, n_heads,
+                               D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows of sequence ``program_id(0)``, head ``program_id(1)`` of ``X`` ``[T, H, D]`` (contiguous) =
+    the sum of the sequence's chunk partials in ``Part`` ``[chunks, H, BLOCK_R, D]`` fp32, in chunk order
+    (deterministic), rounded once. Sequences of one chunk were written by the split kernel: skipped."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    first = tl.load(chunk_starts + b)
+    n_chunks = tl.load(chunk_starts + b + 1) - first
+    if n_chunks <= 1:
+        return
+    start, length = seq_bounds(offsets, b)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = offs_r < length
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for i in range(n_chunks):
+        part = (first + i).to(tl.int64) * n_heads * BLOCK_R
+        acc += load_rows(Part, part, offs_r, ok, h, D, BLOCK_R * D, offs_d, D)
+    store_rows(X, acc, start, offs_r, ok, h, n_heads * D, D, offs_d, D)
