@@ -9,6 +9,10 @@ import sys
 
 import pytest
 
+# Floor of the interpreter tests' error bound: a few ulps of the dtype (the kernels' relative errors are
+# compared with FACTOR x the error of the reference run in the same dtype, plus this).
+ERROR_FLOOR = {"torch.float32": 1e-6, "torch.float16": 2e-4}
+
 
 @pytest.fixture(scope="module")
 def interpreter_results(request) -> list[dict]:
@@ -31,3 +35,22 @@ def interpreter_results(request) -> list[dict]:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("JSON:", 1)[1])
+
+
+@pytest.fixture
+def over_bound():
+    """``over_bound(results, factor, labels=None) -> list[str]``: the outputs of the interpreter results
+    whose relative error ``err`` exceeds ``factor * ref_err + ERROR_FLOOR[dtype]`` (one line each; empty
+    when all pass). ``labels`` names the outputs (e.g. out, dq, dk, dv); default: their index."""
+
+    def check(results: list[dict], factor: float, labels: tuple[str, ...] | None = None) -> list[str]:
+        bad = []
+        for r in results:
+            for i, (err, ref) in enumerate(zip(r["err"], r["ref_err"], strict=True)):
+                bound = factor * ref + ERROR_FLOOR[r["dtype"]]
+                if not err <= bound:
+                    what = labels[i] if labels else f"output {i}"
+                    bad.append(f"{r['name']} {r['dtype']} {what}: {err:.2e} > {bound:.2e}")
+        return bad
+
+    return check
