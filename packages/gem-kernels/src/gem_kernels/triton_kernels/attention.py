@@ -320,17 +320,25 @@ def _onetile_tuned(name: str, fn: Any, stream_block: str, candidates: list[tuple
     return tune_cache.autotune(name, fn, configs, _KEY, prune=first)
 
 
-# Two candidates each (one compilation per candidate on a first call).
+# Candidates of the one-tile kernels (one compilation per candidate timed on a first call).
 _fwd_short_kv_tuned = _onetile_tuned("fwd_short_kv", fwd_short_kv_kernel, "BLOCK_M",
                                      [(128, 8, 3), (128, 4, 3)])
-_bwd_short_kv_tuned = _onetile_tuned("bwd_short_kv", bwd_short_kv_kernel, "BLOCK_M",
-                                     [(64, 4, 3), (128, 8, 3)])
-_bwd_few_q_tuned = _onetile_tuned("bwd_few_q", bwd_few_q_kernel, "BLOCK_N", [(64, 4, 3), (128, 8, 3)])
+# One-tile backward candidates (streamed tile, warps, stages). First: the H200's pick (64, 4 warps, 3
+# stages), which spills at 255 registers on sm_90 (ptxas, bf16 D=128 silu: short_kv 584 B, few_q 320 B).
+# 8 warps on the same tile spill far less (48 B; few_q none, 214 registers) and double the warps per SM
+# (the 4-warp kernels' 139-164 KB of shared memory already allow one program per SM): the second candidate,
+# not yet timed (GEM_KERNELS_TUNE_CANDIDATES=2 or 3 on sm_90 times them). short_kv's former (128, 8, 3)
+# needs 262-296 KB of shared memory: it cannot launch on sm_90, so it is gone; few_q's fits (196 KB, spills
+# 468 B) and stays third. `compile_sm90.py onetile --regs` prints these figures.
+SHORT_KV_BWD_CANDIDATES = [(64, 4, 3), (64, 8, 3)]
+FEW_Q_BWD_CANDIDATES = [(64, 4, 3), (64, 8, 3), (128, 8, 3)]
+_bwd_short_kv_tuned = _onetile_tuned("bwd_short_kv", bwd_short_kv_kernel, "BLOCK_M", SHORT_KV_BWD_CANDIDATES)
+_bwd_few_q_tuned = _onetile_tuned("bwd_few_q", bwd_few_q_kernel, "BLOCK_N", FEW_Q_BWD_CANDIDATES)
 # The split kernels: the same candidates as their whole-stream versions (not yet timed on the H200).
 _bwd_short_kv_split_tuned = _onetile_tuned("bwd_short_kv_split", bwd_short_kv_split_kernel, "BLOCK_M",
-                                           [(64, 4, 3), (128, 8, 3)])
+                                           SHORT_KV_BWD_CANDIDATES)
 _bwd_few_q_split_tuned = _onetile_tuned("bwd_few_q_split", bwd_few_q_split_kernel, "BLOCK_N",
-                                        [(64, 4, 3), (128, 8, 3)])
+                                        FEW_Q_BWD_CANDIDATES)
 # (family, buckets, constexprs, dtype) -> "tiled", "onetile" or "onetile_split", decided by timing on the
 # first call.
 variant_choice: dict[tuple[Any, ...], str] = {}
