@@ -25,6 +25,10 @@ the queries for ``few_q``) is written directly when the sequence is one chunk; o
 its fp32 partial to a workspace ``[chunks, H, BLOCK, D]`` (row ``p`` of chunk ``p``), and
 ``sum_chunk_partials_kernel`` (one program per sequence and head) adds a sequence's partials in chunk order
 and rounds once: deterministic, no atomics.
+
+Both forms share their body: ``bwd_short_kv_stream`` and ``bwd_few_q_stream`` run the backward over the
+long side's rows ``[lo, hi)`` (the whole-stream kernels pass ``0`` and the length) and return the resident
+side's unscaled gradient; the kernels around them only find their rows and store that gradient.
 """
 
 # fmt: off
@@ -106,6 +110,46 @@ def _probs_and_dscores(s, dp, lse2, delta, visible, ACT: tl.constexpr, FAST_ACT:
 
 
 @triton.jit
+def bwd_short_kv_stream(Q, K, V, Out, DO, DQ, LSE, q_start, kv_start, len_kv, lo, hi, h, n_heads,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                        stride_oh, left, right, qk_scale, out_scale,
+                        ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    """The body of the ``short_kv`` backward over query rows ``[lo, hi)`` of one sequence and head ``h``
+    (``hi`` serves as the rows' end: ``row_ok`` and the mask): the sequence's ``len_kv <= BLOCK_N`` keys and
+    values stay in registers, the query tiles stream past them, and each tile's dQ ``[BM, BD]`` is written.
+    Returns the sums over those rows of dK ``[BN, BD]`` and dV ``[BN, BDV]``, fp32 and not yet scaled (by
+    ``g_scale`` and ``v_scale`` of :func:`bwd_scales`; the whole-stream kernel scales each as it stores it,
+    which keeps its generated code as it was before this helper)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < len_kv
+    k = load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
+    v = load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
+    s_scale, g_scale, _ = bwd_scales(qk_scale, out_scale, ACT)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < hi
+        q = load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
+        do = load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
+        lse2, delta = row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
+                                 offs_dv, DV, ACT, BLOCK_M)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BM, BN]
+        visible = visible_mask(offs_m, offs_n, hi, len_kv, left, right)
+        p, ds = _probs_and_dscores(s, dp, lse2, delta, visible, ACT, FAST_ACT)
+        dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * g_scale
+        store_rows(DQ, dq, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
+        dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=PRECISION)
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def bwd_short_kv_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                          stride_oh,
@@ -116,32 +160,54 @@ def bwd_short_kv_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offset
                          BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
     b, h = program_seq_head(n_heads)
     q_start, len_q, kv_start, len_kv = seq_pair_bounds(q_offsets, kv_offsets, b)
+    dk, dv = bwd_short_kv_stream(Q, K, V, Out, DO, DQ, LSE, q_start, kv_start, len_kv, 0, len_q, h, n_heads,
+                                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                                 stride_oh, left, right, qk_scale, out_scale,
+                                 ACT, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
+    _, g_scale, v_scale = bwd_scales(qk_scale, out_scale, ACT)
     offs_n = tl.arange(0, BLOCK_N)
+    col_ok = offs_n < len_kv
+    store_rows(DK, dk * g_scale, kv_start, offs_n, col_ok, h, n_heads * D, D, tl.arange(0, BLOCK_D), D)
+    store_rows(DV_, dv * v_scale, kv_start, offs_n, col_ok, h, n_heads * DV, DV, tl.arange(0, BLOCK_DV), DV)
+
+
+@triton.jit
+def bwd_few_q_stream(Q, K, V, Out, DO, DK, DV_, LSE, q_start, len_q, kv_start, lo, hi, h, n_heads,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                     left, right, qk_scale, out_scale,
+                     ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    """The body of the ``few_q`` backward over key rows ``[lo, hi)`` of one sequence and head ``h`` (``hi``
+    serves as the keys' end: ``col_ok`` and the mask): the sequence's ``len_q <= BLOCK_M`` queries (with
+    dO and the row statistics) stay in registers, the key tiles stream past them, and each tile's dK
+    ``[BN, BD]`` and dV ``[BN, BDV]`` are written. Returns the sum over those keys of dQ ``[BM, BD]``, fp32
+    and not yet scaled (by ``g_scale`` of :func:`bwd_scales`)."""
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    col_ok = offs_n < len_kv
-    k = load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
-    v = load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
+    row_ok = offs_m < len_q
+    q = load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
+    do = load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
+    lse2, delta = row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
+                             offs_dv, DV, ACT, BLOCK_M)
     s_scale, g_scale, v_scale = bwd_scales(qk_scale, out_scale, ACT)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    for start_m in range(0, len_q, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < len_q
-        q = load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
-        do = load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
-        lse2, delta = row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
-                                 offs_dv, DV, ACT, BLOCK_M)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < hi
+        k = load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
+        v = load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BM, BN]
-        visible = visible_mask(offs_m, offs_n, len_q, len_kv, left, right)
+        visible = visible_mask(offs_m, offs_n, len_q, hi, left, right)
         p, ds = _probs_and_dscores(s, dp, lse2, delta, visible, ACT, FAST_ACT)
-        dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * g_scale
-        store_rows(DQ, dq, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
-        dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=PRECISION)
-        dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
-    store_rows(DK, dk * g_scale, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
-    store_rows(DV_, dv * v_scale, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+        dv = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION) * v_scale  # [BN, BDV]
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * g_scale  # [BN, BD]
+        store_rows(DK, dk, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
+        store_rows(DV_, dv, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
+    return dq
 
 
 @triton.jit
@@ -154,31 +220,13 @@ def bwd_few_q_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets,
                       BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
     b, h = program_seq_head(n_heads)
     q_start, len_q, kv_start, len_kv = seq_pair_bounds(q_offsets, kv_offsets, b)
+    dq = bwd_few_q_stream(Q, K, V, Out, DO, DK, DV_, LSE, q_start, len_q, kv_start, 0, len_kv, h, n_heads,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                          stride_oh, left, right, qk_scale, out_scale,
+                          ACT, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
+    _, g_scale, _ = bwd_scales(qk_scale, out_scale, ACT)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < len_q
-    q = load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
-    do = load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
-    lse2, delta = row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
-                             offs_dv, DV, ACT, BLOCK_M)
-    s_scale, g_scale, v_scale = bwd_scales(qk_scale, out_scale, ACT)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, len_kv, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < len_kv
-        k = load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
-        v = load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BM, BN]
-        visible = visible_mask(offs_m, offs_n, len_q, len_kv, left, right)
-        p, ds = _probs_and_dscores(s, dp, lse2, delta, visible, ACT, FAST_ACT)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-        dv = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION) * v_scale  # [BN, BDV]
-        dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * g_scale  # [BN, BD]
-        store_rows(DK, dk, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
-        store_rows(DV_, dv, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
-    store_rows(DQ, dq * g_scale, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
+    store_rows(DQ, dq * g_scale, q_start, offs_m, offs_m < len_q, h, n_heads * D, D, tl.arange(0, BLOCK_D), D)
 
 
 @triton.jit
@@ -222,35 +270,20 @@ def bwd_short_kv_split_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_
         return
     b, h, p, n_chunks, lo = program_chunk(chunk_starts, n_seqs, chunk, LOG_B)
     q_start, len_q, kv_start, len_kv = seq_pair_bounds(q_offsets, kv_offsets, b)
-    hi = tl.minimum(lo + chunk, len_q)  # the chunk's rows end here: row_ok and the mask use it as len_q
+    hi = tl.minimum(lo + chunk, len_q)  # the chunk's rows end here
+    dk, dv = bwd_short_kv_stream(Q, K, V, Out, DO, DQ, LSE, q_start, kv_start, len_kv, lo, hi, h, n_heads,
+                                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                                 stride_oh, left, right, qk_scale, out_scale,
+                                 ACT, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
+    # One chunk: dK/dV; several: the partial, to the workspace [chunks, H, BLOCK_N, D] fp32. Both stores are
+    # issued and masked (no traffic for the masked one): an if/else spilled ~400 more bytes on sm_90.
+    _, g_scale, v_scale = bwd_scales(qk_scale, out_scale, ACT)
+    dk = dk * g_scale
+    dv = dv * v_scale
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < len_kv
-    k = load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
-    v = load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
-    s_scale, g_scale, v_scale = bwd_scales(qk_scale, out_scale, ACT)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < hi
-        q = load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
-        do = load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
-        lse2, delta = row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
-                                 offs_dv, DV, ACT, BLOCK_M)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BM, BN]
-        visible = visible_mask(offs_m, offs_n, hi, len_kv, left, right)
-        p_, ds = _probs_and_dscores(s, dp, lse2, delta, visible, ACT, FAST_ACT)
-        dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * g_scale
-        store_rows(DQ, dq, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
-        dv = tl.dot(tl.trans(p_).to(do.dtype), do, dv, input_precision=PRECISION)
-        dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
-    # One chunk: dK/dV; several: the partial, to the workspace [chunks, H, BLOCK_N, D] fp32. Both stores are
-    # issued and masked (no traffic for the masked one): an if/else spilled ~400 more bytes on sm_90.
-    dk = dk * g_scale
-    dv = dv * v_scale
     whole, partial = col_ok & (n_chunks == 1), col_ok & (n_chunks > 1)
     store_rows(DK, dk, kv_start, offs_n, whole, h, n_heads * D, D, offs_d, D)
     store_rows(DV_, dv, kv_start, offs_n, whole, h, n_heads * DV, DV, offs_dv, DV)
@@ -275,34 +308,18 @@ def bwd_few_q_split_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_off
         return
     b, h, p, n_chunks, lo = program_chunk(chunk_starts, n_seqs, chunk, LOG_B)
     q_start, len_q, kv_start, len_kv = seq_pair_bounds(q_offsets, kv_offsets, b)
-    hi = tl.minimum(lo + chunk, len_kv)  # the chunk's keys end here: col_ok and the mask use it as len_kv
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < len_q
-    q = load_rows(Q, q_start, offs_m, row_ok, h, stride_qt, stride_qh, offs_d, D)
-    do = load_rows(DO, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
-    lse2, delta = row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh,
-                             offs_dv, DV, ACT, BLOCK_M)
-    s_scale, g_scale, v_scale = bwd_scales(qk_scale, out_scale, ACT)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < hi
-        k = load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
-        v = load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * s_scale  # [BM, BN]
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BM, BN]
-        visible = visible_mask(offs_m, offs_n, len_q, hi, left, right)
-        p_, ds = _probs_and_dscores(s, dp, lse2, delta, visible, ACT, FAST_ACT)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-        dv = tl.dot(tl.trans(p_).to(do.dtype), do, input_precision=PRECISION) * v_scale  # [BN, BDV]
-        dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * g_scale  # [BN, BD]
-        store_rows(DK, dk, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
-        store_rows(DV_, dv, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
+    hi = tl.minimum(lo + chunk, len_kv)  # the chunk's keys end here
+    dq = bwd_few_q_stream(Q, K, V, Out, DO, DK, DV_, LSE, q_start, len_q, kv_start, lo, hi, h, n_heads,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                          stride_oh, left, right, qk_scale, out_scale,
+                          ACT, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
     # One chunk: dQ; several: the partial, to the workspace [chunks, H, BLOCK_M, D] fp32 (masked stores, as
     # in bwd_short_kv_split_kernel).
+    _, g_scale, _ = bwd_scales(qk_scale, out_scale, ACT)
     dq = dq * g_scale
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < len_q
+    offs_d = tl.arange(0, BLOCK_D)
     store_rows(DQ, dq, q_start, offs_m, row_ok & (n_chunks == 1), h, n_heads * D, D, offs_d, D)
     part = p.to(tl.int64) * n_heads * BLOCK_M
     store_rows(DQ_part, dq, part, offs_m, row_ok & (n_chunks > 1), h, D, BLOCK_M * D, offs_d, D)
