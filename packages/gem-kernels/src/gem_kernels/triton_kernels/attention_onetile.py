@@ -18,17 +18,17 @@ Split backward (``*_split_kernel``): the same two backward kernels with the long
 ``chunk`` rows (a whole number of streamed tiles), one program per (chunk, head), so that a long sequence no
 longer makes one long serial program. Sequence ``b`` owns ``max(1, ceil(len_b / chunk))`` chunks, numbered
 globally by ``chunk_starts`` ``[B+1]`` (an exclusive prefix sum of those counts, computed on the device);
-program ``p`` finds its sequence by a binary search of it (as :mod:`.block` does), and programs past
-``chunk_starts[B]`` (the grid is an upper bound, no host sync) exit at once. The streamed side's gradients
-are complete per tile, as before. The resident side's gradient (dK/dV of the keys for ``short_kv``, dQ of
-the queries for ``few_q``) is written directly when the sequence is one chunk; otherwise each chunk writes
-its fp32 partial to a workspace ``[chunks, H, BLOCK, D]`` (row ``p`` of chunk ``p``), and
-``sum_chunk_partials_kernel`` (one program per sequence and head) adds a sequence's partials in chunk order
-and rounds once: deterministic, no atomics.
+program ``p`` finds its sequence by a binary search of it (``jagged.segment_of_item``, as the block kernels
+do), and programs past ``chunk_starts[B]`` (the grid is an upper bound, no host sync) exit at once. The
+streamed side's gradients are complete per tile, as before. The resident side's gradient (dK/dV of the keys
+for ``short_kv``, dQ of the queries for ``few_q``) is written directly when the sequence is one chunk;
+otherwise each chunk writes its fp32 partial to a workspace ``[chunks, H, BLOCK, D]`` (row ``p`` of chunk
+``p``), and ``sum_chunk_partials_kernel`` (one program per sequence and head) adds a sequence's partials in
+chunk order and rounds once: deterministic, no atomics.
 
-Both forms share their body: ``bwd_short_kv_stream`` and ``bwd_few_q_stream`` run the backward over the
-long side's rows ``[lo, hi)`` (the whole-stream kernels pass ``0`` and the length) and return the resident
-side's unscaled gradient; the kernels around them only find their rows and store that gradient.
+Both forms share their body: ``bwd_short_kv_stream`` and ``bwd_few_q_stream`` run the backward over the long
+side's rows ``[lo, hi)`` (the whole-stream kernels pass ``0`` and the length) and return the resident side's
+unscaled gradient; the kernels around them only find their rows and store that gradient.
 """
 
 # fmt: off
@@ -53,6 +53,7 @@ from gem_kernels.triton_kernels.attention_common import (
     store_rows,
     visible_mask,
 )
+from gem_kernels.triton_kernels.jagged import segment_of_item
 
 
 @triton.jit
@@ -230,24 +231,12 @@ def bwd_few_q_kernel(Q, K, V, Out, DO, DQ, DK, DV_, LSE, q_offsets, kv_offsets,
 
 
 @triton.jit
-def _sequence_of_chunk(chunk_starts, p, n_seqs, LOG_B: tl.constexpr):
-    """Largest ``b < n_seqs`` with ``chunk_starts[b] <= p``: a branchless binary search over ``2**LOG_B >=
-    n_seqs`` (as :mod:`.block`'s ``_sequence_of_block``; every sequence owns a chunk, so ``b`` is unique)."""
-    b = p * 0
-    for i in tl.static_range(LOG_B):
-        cand = b + (1 << (LOG_B - 1 - i))
-        start = tl.load(chunk_starts + cand, mask=cand < n_seqs, other=2147483647)
-        b = tl.where(start <= p, cand, b)
-    return b
-
-
-@triton.jit
 def program_chunk(chunk_starts, n_seqs, chunk, LOG_B: tl.constexpr):
     """``(sequence b, head h, global chunk p, chunks of b, first long-side row of the chunk)`` of this
     program of a split kernel (grid ``(chunks upper bound, H)``); ``p`` is past the last chunk for spare
     programs (the caller returns first)."""
     p = tl.program_id(0)
-    b = _sequence_of_chunk(chunk_starts, p, n_seqs, LOG_B)
+    b = segment_of_item(chunk_starts, p, n_seqs, LOG_B)  # every sequence owns a chunk
     first = tl.load(chunk_starts + b)
     n_chunks = tl.load(chunk_starts + b + 1) - first
     return b, tl.program_id(1), p, n_chunks, (p - first) * chunk

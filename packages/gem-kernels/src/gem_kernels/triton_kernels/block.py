@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.torch_ops.block_reference import inv_frequencies
-from gem_kernels.triton_kernels.jagged import segment_bounds
+from gem_kernels.triton_kernels.jagged import segment_bounds, segment_of_item
 
 # Launch settings, chosen on the H200 (see BENCHMARKS.md); module attributes, so a benchmark can
 # override them. HEAD_GROUP heads share one program when it divides H (each head computes its own rotary
@@ -60,17 +60,6 @@ def _cuda_options(maxnreg: int | None) -> dict[str, int]:
     if maxnreg is None or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return {}
     return {"maxnreg": maxnreg}
-
-
-@triton.jit
-def _sequence_of_block(block_starts_ptr, pid, B, LOG_B: tl.constexpr):
-    """Largest b < B with block_starts[b] <= pid (empty sequences own no block, so it is pid's)."""
-    b = pid * 0
-    for i in tl.static_range(LOG_B):
-        cand = b + (1 << (LOG_B - 1 - i))
-        start = tl.load(block_starts_ptr + cand, mask=cand < B, other=2147483647)
-        b = tl.where(start <= pid, cand, b)
-    return b
 
 
 @triton.jit
@@ -106,7 +95,7 @@ def cos_sin(angle):
 @triton.jit
 def _block_coords(offsets_ptr, block_starts_ptr, pid, B, BLOCK: tl.constexpr, LOG_B: tl.constexpr):
     """(first token of the block, tokens in it, position of its first token in the sequence)."""
-    b = _sequence_of_block(block_starts_ptr, pid, B, LOG_B)
+    b = segment_of_item(block_starts_ptr, pid, B, LOG_B)
     seq_start, seq_len = segment_bounds(offsets_ptr, b)
     first = (pid - tl.load(block_starts_ptr + b)).to(tl.int64) * BLOCK
     n = tl.minimum(seq_len - first, BLOCK)

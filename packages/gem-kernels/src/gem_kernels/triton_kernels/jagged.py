@@ -23,6 +23,21 @@ def _block_f(feat: int) -> int:
 
 
 @triton.jit
+def segment_of_item(starts_ptr, item, n_segments, LOG_N: tl.constexpr):
+    """The segment that owns work item ``item``: the largest ``b < n_segments`` with ``starts[b] <= item``,
+    where ``starts`` ``[n_segments]`` (int32) is the exclusive prefix sum of the segments' item counts (the
+    block kernels' blocks per sequence, the split attention kernels' chunks). A branchless binary search
+    over ``2**LOG_N >= n_segments``; a segment with no items never owns one, and item 0 belongs to segment 0
+    or the first that follows empty ones."""
+    b = item * 0
+    for i in tl.static_range(LOG_N):
+        cand = b + (1 << (LOG_N - 1 - i))
+        start = tl.load(starts_ptr + cand, mask=cand < n_segments, other=2147483647)
+        b = tl.where(start <= item, cand, b)
+    return b
+
+
+@triton.jit
 def segment_bounds(offsets_ptr, b):
     """(first row, row count) of segment ``b`` of ``offsets`` ``[B+1]``, both int64 (row * feature offsets of
     large tensors overflow int32)."""
