@@ -28,14 +28,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
-import subprocess
-import tempfile
 import time
 from typing import Any
 
 import torch
 import triton
+from sm90_offline import code_only, ptxas_usage  # this folder (the script's) is on sys.path
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -45,18 +43,10 @@ import gem_kernels.triton_kernels.block as block_module
 BATCH, HEADS, HEAD_DIM, BLOCK_SIZE, MAX_LEN, MIN_LEN = 1152, 4, 128, 64, 2000, 800
 REGS_PER_SM, REG_UNIT, MAX_WARPS_PER_SM = 65536, 256, 64
 
-_DEBUG_LINE = re.compile(r"^\s*(\.(loc|file)\b.*|\$L__tmp\d+:\s*)$\n?", re.MULTILINE)
 _BF16 = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV"}
 _I32_PTR = {"offsets_ptr", "block_starts_ptr"}
 _F32_PTR = {"positions_ptr", "inv_freq_ptr"}
 _F32 = {"scale_log2e", "scale"}
-
-
-def code_only(ptx: str) -> str:
-    """The PTX without its debug information (``.loc``/``.file`` lines, ``$L__tmp`` labels, DWARF
-    sections), so that PTX of two versions of the source can be diffed."""
-    cut = re.search(r"^\s*\.section\s+\.debug", ptx, re.MULTILINE)
-    return _DEBUG_LINE.sub("", ptx[: cut.start()] if cut else ptx)
 
 
 def load_module(path: str | None) -> Any:
@@ -110,34 +100,6 @@ def divisibility(fn: Any, sig: dict[str, str]) -> dict[tuple[int, ...], list[lis
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(fn.arg_names)
         if sig[name].startswith("*") or name.startswith("stride_") or name == "B"
-    }
-
-
-def ptxas_usage(ptx: str, maxnreg: int | None) -> dict[str, int]:
-    """Run Triton's ptxas on the PTX with the flags Triton uses (``-lineinfo -v --regAllocOptLevel=2
-    --gpu-name=sm_90a``) and parse its resource report."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    ptxas = get_ptxas(90).path
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        cmd = [ptxas, "-lineinfo", "-v", "--regAllocOptLevel=2", "--gpu-name=sm_90a", src, "-o", src + ".o"]
-        if maxnreg is not None and ".maxnreg" not in ptx:
-            cmd[1:1] = [f"--maxrregcount={maxnreg}"]
-        log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
-
-    def grab(pattern: str) -> int:
-        m = re.search(pattern, log)
-        return int(m.group(1)) if m else -1
-
-    return {
-        "regs": grab(r"Used (\d+) registers"),
-        "spill_st": grab(r"(\d+) bytes spill stores"),
-        "spill_ld": grab(r"(\d+) bytes spill loads"),
-        "stack": grab(r"(\d+) bytes stack frame"),
-        "smem_ptxas": max(grab(r"(\d+) bytes smem"), 0),
     }
 
 

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 import triton
+from sm90_offline import code_only, usage_line  # this folder (the script's) is on sys.path
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from gem_kernels.triton_kernels import attention as triton_attention
 from gem_kernels.triton_kernels import attention_bwd as triton_bwd
 from gem_kernels.triton_kernels import attention_fwd as triton_fwd
 from gem_kernels.triton_kernels import attention_onetile as triton_onetile
@@ -42,47 +42,9 @@ _BF16 = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV_", "X"}
 _FP32 = {"LSE", "DELTA", "DK_part", "DV_part", "DQ_part", "Part"}
 PTX_DIR: str | None = None  # --ptx-dir
 REGS = False  # --regs (always for onetile)
-_DEBUG_LINE = re.compile(r"^\s*(\.(loc|file)\b.*|\$L__tmp\d+:\s*)$\n?", re.MULTILINE)
-
-
-def code_only(ptx: str) -> str:
-    """The PTX without its debug information (see the module docstring)."""
-    cut = re.search(r"^\s*\.section\s+\.debug", ptx, re.MULTILINE)
-    return _DEBUG_LINE.sub("", ptx[: cut.start()] if cut else ptx)
 
 
 _PTR32 = {"q_offsets", "kv_offsets", "offsets", "chunk_starts", "tiles", "count", "counter"}
-
-
-def ptxas_usage(ptx: str) -> str:
-    """``regs N spill-stores B spill-loads B`` of the kernel in ``ptx``, from ``ptxas -v`` (Triton's own
-    ptxas, for the PTX's target), or why not."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    target = re.search(r"^\s*\.target\s+(\w+)", ptx, re.MULTILINE)
-    arch = target.group(1) if target else "sm_90a"
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        try:
-            ptxas = get_ptxas(90)  # Triton 3.7: by architecture
-        except TypeError:
-            ptxas = get_ptxas()
-        path = ptxas if isinstance(ptxas, str) else ptxas.path
-        proc = subprocess.run(
-            [path, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    out = proc.stdout + proc.stderr
-    regs = re.search(r"Used (\d+) registers", out)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
-    if proc.returncode != 0 or not regs:
-        return f"ptxas failed: {out.strip()[-300:]}"
-    stores, loads = spill.groups() if spill else ("?", "?")
-    return f"regs {regs.group(1)}  spill-stores {stores}B  spill-loads {loads}B"
 
 
 def signature(fn: Any, consts: dict[str, Any]) -> dict[str, str]:
@@ -145,7 +107,7 @@ def report(
         f"cp.async {ptx.count('cp.async.cg') + ptx.count('cp.async.ca')}  "
         f"wgmma {ptx.count('wgmma.mma_async')}  "
         f"smem {k.metadata.shared}  setmaxnreg {ptx.count('setmaxnreg')}  fma {ptx.count('fma.rn.f32')}"
-        + (f"  {ptxas_usage(ptx)}" if regs or REGS else ""),
+        + (f"  {usage_line(ptx)}" if regs or REGS else ""),
         flush=True,
     )
 
@@ -154,14 +116,21 @@ def report_onetile(base: dict[str, Any]) -> None:
     """The one-tile backward kernels, whole-stream and split, at their autotune candidates (attention.py's
     ``_bwd_*_tuned``: streamed tile, warps, stages), silu (the benchmark's cross/PMA activation, hardware
     tanh) and softmax; resident tile 64 keys (short_kv) or 32 queries (few_q); then the partial sums."""
+    short_kv, few_q = triton_attention.SHORT_KV_BWD_CANDIDATES, triton_attention.FEW_Q_BWD_CANDIDATES
     kernels = [
-        ("bwd_short_kv", triton_onetile.bwd_short_kv_kernel, "BLOCK_M", {"BLOCK_N": 64}),
-        ("bwd_short_kv_split", triton_onetile.bwd_short_kv_split_kernel, "BLOCK_M", {"BLOCK_N": 64}),
-        ("bwd_few_q", triton_onetile.bwd_few_q_kernel, "BLOCK_N", {"BLOCK_M": 32}),
-        ("bwd_few_q_split", triton_onetile.bwd_few_q_split_kernel, "BLOCK_N", {"BLOCK_M": 32}),
+        ("bwd_short_kv", triton_onetile.bwd_short_kv_kernel, "BLOCK_M", {"BLOCK_N": 64}, short_kv),
+        (
+            "bwd_short_kv_split",
+            triton_onetile.bwd_short_kv_split_kernel,
+            "BLOCK_M",
+            {"BLOCK_N": 64},
+            short_kv,
+        ),
+        ("bwd_few_q", triton_onetile.bwd_few_q_kernel, "BLOCK_N", {"BLOCK_M": 32}, few_q),
+        ("bwd_few_q_split", triton_onetile.bwd_few_q_split_kernel, "BLOCK_N", {"BLOCK_M": 32}, few_q),
     ]
-    for label, fn, stream, resident in kernels:
-        for blk, w, st in [(64, 4, 3), (128, 8, 3)]:
+    for label, fn, stream, resident, candidates in kernels:
+        for blk, w, st in candidates:
             for act in (1, 0):
                 consts = dict(base, ACT=act, FAST_ACT=act == 1, **resident, **{stream: blk})
                 if "split" in label:
