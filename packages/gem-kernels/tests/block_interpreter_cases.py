@@ -131,30 +131,6 @@ def block_cases(results):
         results.append(_compare(name, torch.float32, fn, [q, k, v], grad))
     bt.HEAD_GROUP = 1
 
-    # The rotary kernels rotate ROT_CHUNK columns of each half at a time: D = 64 takes two chunks of 16
-    # (the default) or one of 32, without column masks (D = 48 above has them: 24 = 16 + 8 of 16).
-    torch.manual_seed(3)
-    lengths = [0, 1, 63, 64, 65, 130, 2]
-    total = sum(lengths)
-    offsets = _offsets(lengths)
-    q, k = torch.randn(total, 2, 64), torch.randn(total, 2, 64)
-    v, grad = torch.randn(total, 2, 24), torch.randn(total, 2, 24)
-    positions = torch.rand(total) * 3000
-    rot_chunk = bt.ROT_CHUNK
-    for chunk in (16, 32):
-        bt.ROT_CHUNK = chunk
-        for rname, rotary in (("default", Rotary()), ("float", Rotary(positions, base=10000.0))):
-            for causal in (False, True):
-
-                def fn(q, k, v, causal=causal, rotary=rotary):
-                    return block_attention(q, k, v, offsets, max_seq_len=130, block_size=64, causal=causal,
-                                           rotary=rotary)  # fmt: skip
-
-                name = f"block d=64 rot_chunk={chunk} causal={causal} rotary={rname}"
-                for dtype in (torch.float32, torch.float16):
-                    results.append(_compare(name, dtype, fn, [q, k, v], grad))
-    bt.ROT_CHUNK = rot_chunk
-
 
 def rotary_cases(results):
     torch.manual_seed(1)

@@ -3,9 +3,8 @@
 The cases run in one subprocess (``block_interpreter_cases.py``), because the interpreter must be on
 before triton is imported; this module checks what it reports. Covered: block sizes 32, 64, 128 and 24
 (not a power of two), causal or not, no rotary / default positions / real-valued positions, lengths 0,
-1, 63, 64, 65, 130, 37 random sequences (the binary search), odd and unequal head dims, rotary in one or
-several column chunks (``ROT_CHUNK``) with and without column masks, fp32 and fp16 (bf16 arithmetic is
-wrong in the interpreter), forward and all gradients.
+1, 63, 64, 65, 130, 37 random sequences (the binary search), odd and unequal head dims, fp32 and fp16
+(bf16 arithmetic is wrong in the interpreter), forward and all gradients.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ FACTOR = 2.0  # the floor: conftest.ERROR_FLOOR
 
 
 def test_kernels_match_reference(interpreter_results, over_bound):
-    assert len(interpreter_results) >= 69
+    assert len(interpreter_results) >= 53
     bad = over_bound(interpreter_results, FACTOR)
     assert not bad, "\n".join(bad)
 

@@ -1,11 +1,11 @@
 """Triton kernels of block attention, forward and backward, with rotary embeddings fused in.
 
-One program per (block, head) tile (or per block and ``HEAD_GROUP`` heads, one after the other): it
-loads its block of q, k, v (at most ``block_size`` tokens) once, computes the whole ``S = q k^T`` tile,
-softmax and ``P v`` and stores once. Because a block never spans more than one tile there is no loop over
-key tiles, no online-softmax rescaling, no log-sum-exp written to HBM (the backward recomputes the row
-max and sum), and ``Di`` is computed inline as ``rowsum(P * dP)``, so the backward does not even read O
-(7 tensor passes instead of 8).
+One program per (block, head) tile (or per block and ``HEAD_GROUP`` heads, which then share the rotary
+angles): it loads its block of q, k, v (at most ``block_size`` tokens) once, computes the whole
+``S = q k^T`` tile, softmax and ``P v`` and stores once. Because a block never spans
+more than one tile there is no loop over key tiles, no online-softmax rescaling, no log-sum-exp written to
+HBM (the backward recomputes the row max and sum), and ``Di`` is computed inline as ``rowsum(P * dP)``,
+so the backward does not even read O (7 tensor passes instead of 8).
 
 Scheduling: ``block_starts[b]`` (an exclusive prefix sum of the per-sequence block counts, on the device)
 maps program ``pid`` to its sequence by a branchless binary search; the grid is an upper bound on the
@@ -16,15 +16,6 @@ Rotary (half-split convention, see :mod:`gem_kernels.rotary`): q and k are loade
 ``x1 = x[:, :D/2]``, ``x2 = x[:, D/2:]``, rotated in fp32 registers and rounded once to the input dtype
 for the tensor-core dots, so ``S = q1 k1^T + q2 k2^T``. The backward applies the inverse rotation to dQ and
 dK in fp32 before their single rounding. The same half split is used without rotary (it also serves odd D).
-
-The rotary kernels work on ``ROT_CHUNK`` columns of each half at a time: ``S`` accumulates the dots of one
-``[TILE, ROT_CHUNK]`` slice of q1, q2, k1, k2 after another, and the backward computes, inverse-rotates and
-stores dQ and dK slice by slice, in a loop that loads and rotates q and k again. A slice's angles and
-cos/sin are computed for q and k together (in the backward for q, k, dQ and dK) and die with the slice, so
-the fp32 rotation state of only one slice is ever live. Whole ``[TILE, D/2]`` fp32 tiles had doubled the
-registers (sm_90, D = 128, block 64: forward 230, backward 222, against 118 and 104 without rotary; now
-at most 120; ``benchmarks/block_registers_sm90.py`` measures them). The path without rotary is compiled
-as before (the same PTX).
 """
 
 from __future__ import annotations
@@ -41,8 +32,7 @@ from gem_kernels.torch_ops.block_reference import inv_frequencies
 from gem_kernels.triton_kernels.jagged import segment_bounds, segment_of_item
 
 # Launch settings, chosen on the H200 (see BENCHMARKS.md); module attributes, so a benchmark can
-# override them. HEAD_GROUP heads share one program when it divides H (each head computes its own rotary
-# angles: keeping them for the next head costs more registers than recomputing them).
+# override them. HEAD_GROUP heads share one program (and its rotary angles) when it divides H.
 FWD_WARPS = 4
 BWD_WARPS = 8
 NUM_STAGES = 1
@@ -50,9 +40,6 @@ HEAD_GROUP = 1
 # Register cap of the backward (ptxas .maxnreg): 128 lets two 8-warp programs share an SM, at the
 # price of a small spill. None leaves it to ptxas.
 BWD_MAXNREG: int | None = None
-# Columns of each rotary half rotated at a time (a power of two >= 16, the smallest dot K): bounds the
-# live fp32 rotation state. 16 gave the fewest registers on sm_90 (D = 128; 32: forward 138, backward 137).
-ROT_CHUNK = 16
 
 
 def _cuda_options(maxnreg: int | None) -> dict[str, int]:
@@ -109,8 +96,8 @@ def _block_tile(
 ):  # fmt: skip
     """The prologue of both block kernels: block ``pid``'s tokens and the masks of its tiles.
 
-    Returns ``(tok0 (first token, int64), tok [TILE] int64, rows [TILE], n, first, row_ok [TILE], d [HALF_P],
-    mask1, mask2 [TILE, HALF_P] (the two halves of q/k), dv [DV_P], vmask [TILE, DV_P])``.
+    Returns ``(tok [TILE] int64, rows [TILE], n, first, row_ok [TILE], d [HALF_P], mask1, mask2 [TILE, HALF_P]
+    (the two rotary halves of q/k), dv [DV_P], vmask [TILE, DV_P])``.
     """
     tok0, n, first = _block_coords(offsets_ptr, block_starts_ptr, pid, B, BLOCK, LOG_B)
     rows = tl.arange(0, TILE)
@@ -121,7 +108,7 @@ def _block_tile(
     mask2 = row_ok[:, None] & (d + HALF < D)[None, :]
     dv = tl.arange(0, DV_P)
     vmask = row_ok[:, None] & (dv < DV)[None, :]
-    return tok0, tok, rows, n, first, row_ok, d, mask1, mask2, dv, vmask
+    return tok, rows, n, first, row_ok, d, mask1, mask2, dv, vmask
 
 
 @triton.jit
@@ -154,12 +141,6 @@ def _probabilities(q1, q2, k1, k2, rows, n, scale_log2e, CAUSAL: tl.constexpr, P
     """Softmax of the block's scores, ``[TILE, TILE]`` fp32; masked keys get exactly 0."""
     s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
     s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
-    return _softmax(s, rows, n, scale_log2e, CAUSAL)
-
-
-@triton.jit
-def _softmax(s, rows, n, scale_log2e, CAUSAL: tl.constexpr):
-    """Softmax of the scores ``s [TILE, TILE]`` (keys past ``n`` masked), fp32."""
     keep = (rows < n)[None, :]
     if CAUSAL:
         keep = keep & (rows[:, None] >= rows[None, :])
@@ -170,74 +151,34 @@ def _softmax(s, rows, n, scale_log2e, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _chunk_masks(rmask, dc, D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr):
-    """Masks of columns ``dc`` of the two halves, from the row mask ``rmask [TILE, 1]``: the row mask
-    alone when no column is padding (D = 2 HALF_P)."""
-    if 2 * HALF_P == D:
-        return rmask, rmask
-    else:
-        return rmask & (dc < HALF)[None, :], rmask & (dc + HALF < D)[None, :]
-
-
-@triton.jit
-def _rotated_scores(
-    Q, K, positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, h, stride_qt, stride_qh,
-    D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, RCHUNK: tl.constexpr, TILE: tl.constexpr,
-    HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """``S = rot(q) rot(k)^T`` ``[TILE, TILE]`` fp32, ``RCHUNK`` columns of each half at a time: a chunk's
-    cos/sin serve its q and k and die with it. Unrolled (as a loop: 141 backward registers, not 118)."""
-    s = tl.zeros((TILE, TILE), dtype=tl.float32)
-    for c in tl.static_range(HALF_P // RCHUNK):
-        dc = c * RCHUNK + tl.arange(0, RCHUNK)
-        m1, m2 = _chunk_masks(row_ok[:, None], dc, D, HALF, HALF_P)
-        cos, sin = _rotation(positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, dc, dc < HALF, HAS_POS)
-        k1, k2 = _load_halves(K, tok, h, stride_qt, stride_qh, dc, m1, m2, HALF)
-        k1, k2 = _rotate(k1, k2, cos, sin)
-        q1, q2 = _load_halves(Q, tok, h, stride_qt, stride_qh, dc, m1, m2, HALF)
-        q1, q2 = _rotate(q1, q2, cos, sin)
-        s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
-        s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
-    return s
-
-
-@triton.jit
 def _block_attention_fwd(
     Q, K, V, Out, offsets_ptr, block_starts_ptr, positions_ptr, inv_freq_ptr,
     B, stride_qt, stride_qh, stride_vt, stride_vh, scale_log2e,
     D: tl.constexpr, DV: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, DV_P: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, LOG_B: tl.constexpr, HEAD_GROUP: tl.constexpr,
     CAUSAL: tl.constexpr, ROTARY: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
-    RCHUNK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     if pid >= tl.load(block_starts_ptr + B):
         return
-    _, tok, rows, n, first, row_ok, d, mask1, mask2, dv, vmask = _block_tile(
+    tok, rows, n, first, row_ok, d, mask1, mask2, dv, vmask = _block_tile(
         offsets_ptr, block_starts_ptr, pid, B, D, DV, HALF, HALF_P, DV_P, BLOCK, TILE, LOG_B
     )
     if ROTARY:
-        for hh in tl.static_range(HEAD_GROUP):
-            h = tl.program_id(1) * HEAD_GROUP + hh
-            s = _rotated_scores(
-                Q, K, positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, h, stride_qt, stride_qh,
-                D, HALF, HALF_P, RCHUNK, TILE, HAS_POS, PRECISION,
-            )  # fmt: skip
-            p = _softmax(s, rows, n, scale_log2e, CAUSAL)
-            v_off = tok[:, None] * stride_vt + h * stride_vh + dv[None, :]
-            v = tl.load(V + v_off, mask=vmask, other=0.0)
-            o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            tl.store(Out + v_off, o.to(v.dtype), mask=vmask)
-    else:
-        for hh in tl.static_range(HEAD_GROUP):
-            h = tl.program_id(1) * HEAD_GROUP + hh
-            q1, q2 = _load_halves(Q, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
-            k1, k2 = _load_halves(K, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
-            p = _probabilities(q1, q2, k1, k2, rows, n, scale_log2e, CAUSAL, PRECISION)
-            v_off = tok[:, None] * stride_vt + h * stride_vh + dv[None, :]
-            v = tl.load(V + v_off, mask=vmask, other=0.0)
-            o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            tl.store(Out + v_off, o.to(v.dtype), mask=vmask)
+        # The angles depend on the token only: computed once for the program's heads.
+        cos, sin = _rotation(positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, d < HALF, HAS_POS)
+    for hh in tl.static_range(HEAD_GROUP):
+        h = tl.program_id(1) * HEAD_GROUP + hh
+        q1, q2 = _load_halves(Q, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
+        k1, k2 = _load_halves(K, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
+        if ROTARY:
+            q1, q2 = _rotate(q1, q2, cos, sin)
+            k1, k2 = _rotate(k1, k2, cos, sin)
+        p = _probabilities(q1, q2, k1, k2, rows, n, scale_log2e, CAUSAL, PRECISION)
+        v_off = tok[:, None] * stride_vt + h * stride_vh + dv[None, :]
+        v = tl.load(V + v_off, mask=vmask, other=0.0)
+        o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        tl.store(Out + v_off, o.to(v.dtype), mask=vmask)
 
 
 @triton.jit
@@ -247,122 +188,66 @@ def _block_attention_bwd(
     D: tl.constexpr, DVD: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, DV_P: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, LOG_B: tl.constexpr, HEAD_GROUP: tl.constexpr,
     CAUSAL: tl.constexpr, ROTARY: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
-    RCHUNK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     if pid >= tl.load(block_starts_ptr + B):
         return
-    tok0, tok, rows, n, first, row_ok, d, mask1, mask2, dv, vmask = _block_tile(
+    tok, rows, n, first, row_ok, d, mask1, mask2, dv, vmask = _block_tile(
         offsets_ptr, block_starts_ptr, pid, B, D, DVD, HALF, HALF_P, DV_P, BLOCK, TILE, LOG_B
     )
     if ROTARY:
-        for hh in tl.static_range(HEAD_GROUP):
-            h = tl.program_id(1) * HEAD_GROUP + hh
-            s = _rotated_scores(
-                Q, K, positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, h, stride_qt, stride_qh,
-                D, HALF, HALF_P, RCHUNK, TILE, HAS_POS, PRECISION,
-            )  # fmt: skip
-            p = _softmax(s, rows, n, scale_log2e, CAUSAL)
-            ds = _dv_and_ds(
-                p, DO, V, DV, tok, h, stride_vt, stride_vh, dv, vmask, Q.dtype.element_ty, PRECISION
-            )
-            _rotated_grads(
-                Q, K, DQ, DK, ds, positions_ptr, inv_freq_ptr, tok0, n, first, h, stride_qt, stride_qh, scale,
-                D, HALF, HALF_P, RCHUNK, TILE, HAS_POS, PRECISION,
-            )  # fmt: skip
-    else:
-        for hh in tl.static_range(HEAD_GROUP):
-            h = tl.program_id(1) * HEAD_GROUP + hh
-            q1, q2 = _load_halves(Q, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
-            k1, k2 = _load_halves(K, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
-            dt = q1.dtype
-            p = _probabilities(q1, q2, k1, k2, rows, n, scale_log2e, CAUSAL, PRECISION)
-            ds = _dv_and_ds(p, DO, V, DV, tok, h, stride_vt, stride_vh, dv, vmask, dt, PRECISION)
-            qk_off = tok[:, None] * stride_qt + h * stride_qh + d[None, :]
-            dq1 = tl.dot(ds, k1, input_precision=PRECISION)
-            dq2 = tl.dot(ds, k2, input_precision=PRECISION)
-            _store_grad_halves(DQ + qk_off, dq1, dq2, scale, mask1, mask2, HALF)
-            dk1 = tl.dot(tl.trans(ds), q1, input_precision=PRECISION)
-            dk2 = tl.dot(tl.trans(ds), q2, input_precision=PRECISION)
-            _store_grad_halves(DK + qk_off, dk1, dk2, scale, mask1, mask2, HALF)
-
-
-@triton.jit
-def _rotated_grads(
-    Q, K, DQ, DK, ds, positions_ptr, inv_freq_ptr, tok0, n, first, h, stride_qt, stride_qh, scale,
-    D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, RCHUNK: tl.constexpr, TILE: tl.constexpr,
-    HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Store ``dQ = scale dS rot(k)`` and ``dK = scale dS^T rot(q)``, inverse-rotated, ``RCHUNK`` columns
-    of each half at a time.
-
-    q and k are loaded again (cache hits) and rotated rather than kept from the scores, and a chunk's
-    angles serve the rotation of q and k and the inverse rotation of dQ and dK (same tokens). A loop
-    (not unrolled), whose per-row state (offsets, masks, positions) is rebuilt from the block's scalars:
-    so the compiler neither keeps the scores' per-row tensors live across dV and dP nor unrolls it.
-    """
-    for c in range(HALF_P // RCHUNK):
-        r = tl.arange(0, TILE)[:, None]
-        rmask = r < n
-        dc = c * RCHUNK + tl.arange(0, RCHUNK)
-        m1, m2 = _chunk_masks(rmask, dc, D, HALF, HALF_P)
-        if HAS_POS:
-            pos = tl.load(positions_ptr + tok0 + r, mask=rmask, other=0.0)
-        else:
-            pos = (first + r).to(tl.float32)
-        cos, sin = cos_sin(pos * tl.load(inv_freq_ptr + dc, mask=dc < HALF, other=0.0)[None, :])
-        off = (tok0 + r) * stride_qt + h * stride_qh + dc[None, :]
-        k1 = tl.load(K + off, mask=m1, other=0.0)
-        k2 = tl.load(K + off + HALF, mask=m2, other=0.0)
-        k1, k2 = _rotate(k1, k2, cos, sin)
+        cos, sin = _rotation(positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, d < HALF, HAS_POS)
+    for hh in tl.static_range(HEAD_GROUP):
+        h = tl.program_id(1) * HEAD_GROUP + hh
+        q1, q2 = _load_halves(Q, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
+        k1, k2 = _load_halves(K, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
+        if ROTARY:
+            q1, q2 = _rotate(q1, q2, cos, sin)
+            k1, k2 = _rotate(k1, k2, cos, sin)
+        dt = q1.dtype
+        p = _probabilities(q1, q2, k1, k2, rows, n, scale_log2e, CAUSAL, PRECISION)
+        # Each gradient is stored as soon as it is complete, so few [TILE, *] tiles are live at once
+        # (the kernel is register-bound, not memory-bound, in its middle).
+        v_off = tok[:, None] * stride_vt + h * stride_vh + dv[None, :]
+        do = tl.load(DO + v_off, mask=vmask, other=0.0)
+        dv_acc = tl.dot(tl.trans(p.to(dt)), do, input_precision=PRECISION)
+        tl.store(DV + v_off, dv_acc.to(dt), mask=vmask)
+        v = tl.load(V + v_off, mask=vmask, other=0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        # Di inline, as rowsum(P * dP) (= rowsum(dO * O), since O = P V): the block's own keys are all
+        # there is, so no preprocessing kernel and no read of O at all.
+        di = tl.sum(p * dp, 1)
+        ds = (p * (dp - di[:, None])).to(dt)
+        qk_off = tok[:, None] * stride_qt + h * stride_qh + d[None, :]
         dq1 = tl.dot(ds, k1, input_precision=PRECISION)
         dq2 = tl.dot(ds, k2, input_precision=PRECISION)
-        _store_rotated_grad(DQ + off, dq1, dq2, scale, cos, sin, m1, m2, HALF)
-        q1 = tl.load(Q + off, mask=m1, other=0.0)
-        q2 = tl.load(Q + off + HALF, mask=m2, other=0.0)
-        q1, q2 = _rotate(q1, q2, cos, sin)
+        _store_grad_halves(
+            DQ + qk_off, dq1, dq2, scale, mask1, mask2,
+            positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, HALF, ROTARY, HAS_POS,
+        )  # fmt: skip
         dk1 = tl.dot(tl.trans(ds), q1, input_precision=PRECISION)
         dk2 = tl.dot(tl.trans(ds), q2, input_precision=PRECISION)
-        _store_rotated_grad(DK + off, dk1, dk2, scale, cos, sin, m1, m2, HALF)
+        _store_grad_halves(
+            DK + qk_off, dk1, dk2, scale, mask1, mask2,
+            positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, HALF, ROTARY, HAS_POS,
+        )  # fmt: skip
 
 
 @triton.jit
-def _dv_and_ds(
-    p, DO, V, DV, tok, h, stride_vt, stride_vh, dv, vmask, dt: tl.constexpr, PRECISION: tl.constexpr
-):
-    """Store ``dV = P^T dO`` and return ``dS = P (dP - Di)`` in the input dtype."""
-    # Each gradient is stored as soon as it is complete, so few [TILE, *] tiles are live at once
-    # (the kernel is register-bound, not memory-bound, in its middle).
-    v_off = tok[:, None] * stride_vt + h * stride_vh + dv[None, :]
-    do = tl.load(DO + v_off, mask=vmask, other=0.0)
-    dv_acc = tl.dot(tl.trans(p.to(dt)), do, input_precision=PRECISION)
-    tl.store(DV + v_off, dv_acc.to(dt), mask=vmask)
-    v = tl.load(V + v_off, mask=vmask, other=0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    # Di inline, as rowsum(P * dP) (= rowsum(dO * O), since O = P V): the block's own keys are all
-    # there is, so no preprocessing kernel and no read of O at all.
-    di = tl.sum(p * dp, 1)
-    return (p * (dp - di[:, None])).to(dt)
-
-
-@triton.jit
-def _store_grad_halves(ptr, g1, g2, scale, mask1, mask2, HALF: tl.constexpr):
-    """Store the gradient halves of q or k (no rotary): scale, round once."""
+def _store_grad_halves(
+    ptr, g1, g2, scale, mask1, mask2, positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d,
+    HALF: tl.constexpr, ROTARY: tl.constexpr, HAS_POS: tl.constexpr,
+):  # fmt: skip
+    """Store the gradient of a rotated q or k: scale, apply the inverse rotation in fp32 (angles
+    recomputed here rather than kept live in registers), round once."""
     g1 = g1 * scale
     g2 = g2 * scale
+    if ROTARY:
+        cos, sin = _rotation(positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, d < HALF, HAS_POS)
+        g1, g2 = g1 * cos + g2 * sin, g2 * cos - g1 * sin
     dt = ptr.dtype.element_ty
     tl.store(ptr, g1.to(dt), mask=mask1)
     tl.store(ptr + HALF, g2.to(dt), mask=mask2)
-
-
-@triton.jit
-def _store_rotated_grad(ptr, g1, g2, scale, cos, sin, mask1, mask2, HALF: tl.constexpr):
-    """Store the gradient of a rotated q or k: scale, apply the inverse rotation in fp32, round once."""
-    g1 = g1 * scale
-    g2 = g2 * scale
-    dt = ptr.dtype.element_ty
-    tl.store(ptr, (g1 * cos + g2 * sin).to(dt), mask=mask1)
-    tl.store(ptr + HALF, (g2 * cos - g1 * sin).to(dt), mask=mask2)
 
 
 def _launch_args(
@@ -386,19 +271,17 @@ def _launch_args(
     # Upper bound without a sync: each sequence adds at most one partial block.
     num_programs = min(triton.cdiv(total, block_size) + batch, batch * triton.cdiv(max_seq_len, block_size))
     half = (d + 1) // 2
-    half_p = max(16, triton.next_power_of_2(half))
-    assert ROT_CHUNK >= 16 and ROT_CHUNK & (ROT_CHUNK - 1) == 0, f"ROT_CHUNK={ROT_CHUNK}: power of 2, >= 16"
     if use_rotary:
         inv_freq = inv_frequencies(d, base, torch.float32, q.device)
         pos = positions.to(torch.float32).contiguous() if positions is not None else inv_freq
     else:
         inv_freq = pos = block_starts  # unused pointers
     meta: dict[str, Any] = dict(
-        D=d, HALF=half, HALF_P=half_p,
+        D=d, HALF=half, HALF_P=max(16, triton.next_power_of_2(half)),
         DV_P=max(16, triton.next_power_of_2(v.shape[-1])),
         BLOCK=block_size, TILE=max(16, triton.next_power_of_2(block_size)),
         LOG_B=max(1, math.ceil(math.log2(max(batch, 1)))),
-        ROTARY=use_rotary, HAS_POS=positions is not None, RCHUNK=min(ROT_CHUNK, half_p),
+        ROTARY=use_rotary, HAS_POS=positions is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     group = HEAD_GROUP if heads % HEAD_GROUP == 0 else 1
