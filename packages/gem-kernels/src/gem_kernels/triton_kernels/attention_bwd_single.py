@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from gem_kernels.triton_kernels.attention_bwd import dkdv_tiles
 from gem_kernels.triton_kernels.attention_common import (
     band_ranges,
     bwd_scales,
@@ -30,7 +31,6 @@ from gem_kernels.triton_kernels.attention_common import (
     seq_bounds,
     store_rows,
 )
-from gem_kernels.triton_kernels.attention_tile_math import dkdv_tile_grads
 
 
 @triton.jit
@@ -49,41 +49,6 @@ def delta_kernel(Out, DO, LSE, DELTA, q_offsets, stride_ot, stride_oh, n_heads,
         _, delta = row_stats(Out, LSE, do, q_start, offs_m, row_ok, h, n_heads, stride_ot, stride_oh, offs_dv,
                              DV, 0, BLOCK_M)
         tl.store(DELTA + (q_start + offs_m) * n_heads + h, delta, mask=row_ok)
-
-
-@triton.jit
-def _tiles(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh, stride_ot,
-           stride_oh, offs_n, offs_d, offs_dv, len_q, lo, hi, left, right, s_scale, dq_scale,
-           ACT: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-           PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
-    """Over query tiles ``[lo, hi)``: ``P^T dO`` into ``dv``, ``dS^T Q`` into ``dk`` (as
-    :func:`.attention_bwd._dkdv_tiles`), and ``dq_scale * dS K`` added atomically into ``DQ``."""
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qt_ptrs = Q + (q_start + offs_m[None, :]) * stride_qt + h * stride_qh + offs_d[:, None]  # [BD, BM]
-        do_ptrs = DO + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :]  # [BM, BDV]
-        # fp32 dQ [total_q, H, D], contiguous; rows past the sequence belong to the next one: masked.
-        dq_ptrs = DQ + (q_start + offs_m[:, None]) * (n_heads * D) + h * D + offs_d[None, :]  # [BM, BD]
-        if MASK:
-            row_ok = offs_m < len_q
-            qt = tl.load(qt_ptrs, mask=row_ok[None, :] & (offs_d[:, None] < D), other=0.0)
-            do = tl.load(do_ptrs, mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            dq_ok = row_ok[:, None] & (offs_d[None, :] < D)
-        else:
-            qt = tl.load(qt_ptrs, mask=offs_d[:, None] < D, other=0.0)
-            do = tl.load(do_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
-            dq_ok = (offs_m[:, None] >= 0) & (offs_d[None, :] < D)
-        st = tl.dot(k, qt, input_precision=PRECISION) * s_scale  # [BN, BM]: scores transposed
-        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # [BN, BM]
-        pt, dst = dkdv_tile_grads(st, dpt, LSE, DELTA, q_start, offs_m, offs_n, len_q, h, n_heads, left,
-                                  right, ACT, MASK, FAST_ACT)
-        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
-        ds16 = dst.to(qt.dtype)
-        dk = tl.dot(ds16, tl.trans(qt), dk, input_precision=PRECISION)
-        dq = tl.dot(tl.trans(ds16), k, input_precision=PRECISION)  # [BM, BD]: this key tile's share
-        tl.atomic_add(dq_ptrs, dq * dq_scale, mask=dq_ok, sem="relaxed")
-    return dk, dv
 
 
 @triton.jit
@@ -112,14 +77,17 @@ def single_pass_kernel(Q, K, V, DO, DQ, DK, DV_, LSE, DELTA, q_offsets, kv_offse
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         lo, full_lo, full_hi, hi = band_ranges(start_n, len_q, right, left, BLOCK_N, BLOCK_M)
-        dk, dv = _tiles(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh,
-                        stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, lo, full_lo, left, right,
-                        s_scale, g_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
-        dk, dv = _tiles(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh,
-                        stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_lo, full_hi, left, right,
-                        s_scale, g_scale, ACT, False, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
-        dk, dv = _tiles(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh,
-                        stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_hi, hi, left, right,
-                        s_scale, g_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
+        dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh,
+                            stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, lo, full_lo, left, right,
+                            s_scale, g_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION,
+                            FAST_ACT, True)
+        dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh,
+                            stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_lo, full_hi, left,
+                            right, s_scale, g_scale, ACT, False, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+                            PRECISION, FAST_ACT, True)
+        dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh,
+                            stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_hi, hi, left, right,
+                            s_scale, g_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION,
+                            FAST_ACT, True)
         store_rows(DK, dk * g_scale, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
         store_rows(DV_, dv * v_scale, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)

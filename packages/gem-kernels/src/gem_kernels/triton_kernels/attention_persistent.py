@@ -220,7 +220,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, s
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr):
     """``P^T dO`` into ``dv``, ``dS^T Q`` into ``dk`` over query tiles ``[lo, hi)`` (as
-    :func:`.attention_bwd._dkdv_tiles`)."""
+    :func:`.attention_bwd.dkdv_tiles`)."""
     for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _tile(Q, qd, q_start, start_m, len_q, h, stride_qt, stride_qh, D, BLOCK_M, BLOCK_D, MASK, USE_TMA)
