@@ -271,7 +271,12 @@ def merge(out: Path, task: str) -> dict[str, Any]:
         if r["final_ne"] is not None and base["final_ne"] is not None:
             summary[f"{name}_vs_bf16_ne_rel"] = r["final_ne"] / base["final_ne"] - 1  # target |.| <= 0.5%
         a, b = r["steady"]["window_step_s_median"], base["steady"]["window_step_s_median"]
-        if a and b:
+        if r.get("device") != base.get("device"):
+            # Recipes run on different devices (one per device session) compare in NE only: a step-rate
+            # ratio across devices would measure the devices.
+            summary[f"{name}_vs_bf16_step_rate"] = None
+            summary[f"{name}_vs_bf16_devices"] = [r.get("device"), base.get("device")]
+        elif a and b:
             summary[f"{name}_vs_bf16_step_rate"] = b / a  # target >= 1.2
     floors = [r["floor"] for r in recipes.values() if r["floor"] is not None]
     if recipes:
@@ -304,7 +309,9 @@ def _table(summary: dict[str, Any]) -> str:
         )
     for k, v in summary.items():
         if k.endswith(("_ne_rel", "_step_rate")):
-            lines.append(f"{k}: {v:.4f}")
+            lines.append(f"{k}: {f(v, '.4f')}")
+        elif k.endswith("_devices"):
+            lines.append(f"{k}: {' vs '.join(v)} (no step-rate ratio across devices)")
     return "\n".join(lines)
 
 

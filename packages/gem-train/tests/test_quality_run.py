@@ -52,6 +52,36 @@ def test_schedule_defaults():
     )
 
 
+def _recipe(name: str, device: str, step_s: float, ne: float) -> dict:
+    steady = {"window_step_s_median": step_s, "examples_per_s_median": 512 / step_s, "mfu_median": 0.1}
+    return {
+        "recipe": name, "device": device, "steady": steady, "final_ne": ne, "floor": 0.6,
+        "gap_to_floor": ne / 0.6 - 1, "test_ne": [[500, ne + 0.05], [1000, ne]], "warmup_excess_s": 90.0,
+        "first_step_s": 95.0, "evaluations": [{"s": 5.0}], "checkpoints": [{"call_s": 4.0}],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8_device", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_merge_compares_step_rates_on_one_device_only(tmp_path, fp8_device):
+    """Recipes merged from two device sessions compare in NE; their step-rate ratio is left out (None, with
+    both devices named) unless both ran on the same device."""
+    q = _module()
+    for r in (_recipe("bf16", "NVIDIA H200", 0.27, 0.7742), _recipe("fp8_rowwise", fp8_device, 0.33, 0.7746)):
+        (tmp_path / r["recipe"]).mkdir()
+        (tmp_path / r["recipe"] / q.RECIPE_FILE).write_text(json.dumps(r))
+    summary = q.merge(tmp_path, "ctr")
+    assert summary["fp8_rowwise_vs_bf16_ne_rel"] == pytest.approx(0.7746 / 0.7742 - 1)
+    if fp8_device == "NVIDIA H200":
+        assert summary["fp8_rowwise_vs_bf16_step_rate"] == pytest.approx(0.27 / 0.33)
+        assert "fp8_rowwise_vs_bf16_devices" not in summary
+    else:
+        assert summary["fp8_rowwise_vs_bf16_step_rate"] is None
+        assert summary["fp8_rowwise_vs_bf16_devices"] == [fp8_device, "NVIDIA H200"]
+    assert Path(summary["png"]).stat().st_size > 1000
+    table = q._table(summary)  # the printed table takes the missing ratio too
+    assert ("no step-rate ratio across devices" in table) == (fp8_device != "NVIDIA H200")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quality_run_tiny_cpu(tmp_path):
