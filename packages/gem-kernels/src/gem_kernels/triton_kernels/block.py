@@ -129,6 +129,20 @@ def _load_halves(ptr, tok, h, stride_t, stride_h, d, mask1, mask2, HALF: tl.cons
 
 
 @triton.jit
+def _head_qk(
+    Q, K, tok, h, stride_t, stride_h, d, mask1, mask2, cos, sin, HALF: tl.constexpr, ROTARY: tl.constexpr
+):  # fmt: skip
+    """Head ``h``'s q and k halves of the block, rotated by ``cos``/``sin`` when ``ROTARY`` (unused
+    otherwise): ``(q1, q2, k1, k2)``, each ``[TILE, HALF_P]`` in the input dtype."""
+    q1, q2 = _load_halves(Q, tok, h, stride_t, stride_h, d, mask1, mask2, HALF)
+    k1, k2 = _load_halves(K, tok, h, stride_t, stride_h, d, mask1, mask2, HALF)
+    if ROTARY:
+        q1, q2 = _rotate(q1, q2, cos, sin)
+        k1, k2 = _rotate(k1, k2, cos, sin)
+    return q1, q2, k1, k2
+
+
+@triton.jit
 def _rotate(x1, x2, cos, sin):
     """Rotate the half pair in fp32 and round once back to the input dtype."""
     dt = x1.dtype
@@ -164,16 +178,13 @@ def _block_attention_fwd(
     tok, rows, n, first, row_ok, d, mask1, mask2, dv, vmask = _block_tile(
         offsets_ptr, block_starts_ptr, pid, B, D, DV, HALF, HALF_P, DV_P, BLOCK, TILE, LOG_B
     )
+    cos, sin = 0.0, 0.0  # no angles without rotary
     if ROTARY:
         # The angles depend on the token only: computed once for the program's heads.
         cos, sin = _rotation(positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, d < HALF, HAS_POS)
     for hh in tl.static_range(HEAD_GROUP):
         h = tl.program_id(1) * HEAD_GROUP + hh
-        q1, q2 = _load_halves(Q, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
-        k1, k2 = _load_halves(K, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
-        if ROTARY:
-            q1, q2 = _rotate(q1, q2, cos, sin)
-            k1, k2 = _rotate(k1, k2, cos, sin)
+        q1, q2, k1, k2 = _head_qk(Q, K, tok, h, stride_qt, stride_qh, d, mask1, mask2, cos, sin, HALF, ROTARY)
         p = _probabilities(q1, q2, k1, k2, rows, n, scale_log2e, CAUSAL, PRECISION)
         v_off = tok[:, None] * stride_vt + h * stride_vh + dv[None, :]
         v = tl.load(V + v_off, mask=vmask, other=0.0)
@@ -195,15 +206,12 @@ def _block_attention_bwd(
     tok, rows, n, first, row_ok, d, mask1, mask2, dv, vmask = _block_tile(
         offsets_ptr, block_starts_ptr, pid, B, D, DVD, HALF, HALF_P, DV_P, BLOCK, TILE, LOG_B
     )
+    cos, sin = 0.0, 0.0  # no angles without rotary
     if ROTARY:
         cos, sin = _rotation(positions_ptr, inv_freq_ptr, tok, rows, first, row_ok, d, d < HALF, HAS_POS)
     for hh in tl.static_range(HEAD_GROUP):
         h = tl.program_id(1) * HEAD_GROUP + hh
-        q1, q2 = _load_halves(Q, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
-        k1, k2 = _load_halves(K, tok, h, stride_qt, stride_qh, d, mask1, mask2, HALF)
-        if ROTARY:
-            q1, q2 = _rotate(q1, q2, cos, sin)
-            k1, k2 = _rotate(k1, k2, cos, sin)
+        q1, q2, k1, k2 = _head_qk(Q, K, tok, h, stride_qt, stride_qh, d, mask1, mask2, cos, sin, HALF, ROTARY)
         dt = q1.dtype
         p = _probabilities(q1, q2, k1, k2, rows, n, scale_log2e, CAUSAL, PRECISION)
         # Each gradient is stored as soon as it is complete, so few [TILE, *] tiles are live at once
