@@ -136,6 +136,34 @@ def dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_
 
 
 @triton.jit
+def dkdv_band(k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh, stride_ot, stride_oh,
+              offs_n, offs_d, offs_dv, start_n, len_q, left, right, s_scale, dq_scale,
+              ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+              FAST_ACT: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """Unscaled fp32 ``dk`` ``[BLOCK_N, BLOCK_D]`` and ``dv`` ``[BLOCK_N, BLOCK_DV]`` of the key tile at
+    ``start_n`` over every query tile that sees it: :func:`dkdv_tiles` on the masked tiles at each edge of
+    the band and on the full tiles between them (with ``ATOMIC_DQ``, adding their dQ shares too)."""
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # Query i sees key j iff j - right <= i <= j + left: the band seen from the key side.
+    lo, full_lo, full_hi, hi = band_ranges(start_n, len_q, right, left, BLOCK_N, BLOCK_M)
+    dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh,
+                        stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, lo, full_lo, left, right,
+                        s_scale, dq_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
+                        ATOMIC_DQ)
+    dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh,
+                        stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_lo, full_hi, left, right,
+                        s_scale, dq_scale, ACT, False, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
+                        ATOMIC_DQ)
+    dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh,
+                        stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_hi, hi, left, right,
+                        s_scale, dq_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
+                        ATOMIC_DQ)
+    return dk, dv
+
+
+@triton.jit
 def dkdv_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                  n_heads, left, right, qk_scale, out_scale,
@@ -157,23 +185,10 @@ def dkdv_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets,
         k = load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
         v = load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
         s_scale = score_scale(qk_scale, ACT)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-        # Query i sees key j iff j - right <= i <= j + left: the band seen from the key side.
-        lo, full_lo, full_hi, hi = band_ranges(start_n, len_q, right, left, BLOCK_N, BLOCK_M)
         # DK and 1.0 fill the places of DQ and dq_scale, which are not read without ATOMIC_DQ.
-        dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DK, q_start, h, n_heads, stride_qt, stride_qh,
-                            stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, lo, full_lo, left, right,
-                            s_scale, 1.0, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
-                            False)
-        dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DK, q_start, h, n_heads, stride_qt, stride_qh,
-                            stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_lo, full_hi, left,
-                            right, s_scale, 1.0, ACT, False, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION,
-                            FAST_ACT, False)
-        dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DK, q_start, h, n_heads, stride_qt, stride_qh,
-                            stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_hi, hi, left, right,
-                            s_scale, 1.0, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
-                            False)
+        dk, dv = dkdv_band(k, v, Q, DO, LSE, DELTA, DK, q_start, h, n_heads, stride_qt, stride_qh, stride_ot,
+                           stride_oh, offs_n, offs_d, offs_dv, start_n, len_q, left, right, s_scale, 1.0, ACT,
+                           D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, False)
         if ACT == 0:
             dk = dk * qk_scale
         else:

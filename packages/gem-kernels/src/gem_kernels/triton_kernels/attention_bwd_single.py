@@ -20,9 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.triton_kernels.attention_bwd import dkdv_tiles
+from gem_kernels.triton_kernels.attention_bwd import dkdv_band
 from gem_kernels.triton_kernels.attention_common import (
-    band_ranges,
     bwd_scales,
     load_rows,
     program_seq_head,
@@ -74,20 +73,8 @@ def single_pass_kernel(Q, K, V, DO, DQ, DK, DV_, LSE, DELTA, q_offsets, kv_offse
         k = load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
         v = load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
         s_scale, g_scale, v_scale = bwd_scales(qk_scale, out_scale, ACT)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-        lo, full_lo, full_hi, hi = band_ranges(start_n, len_q, right, left, BLOCK_N, BLOCK_M)
-        dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh,
-                            stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, lo, full_lo, left, right,
-                            s_scale, g_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION,
-                            FAST_ACT, True)
-        dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh,
-                            stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_lo, full_hi, left,
-                            right, s_scale, g_scale, ACT, False, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
-                            PRECISION, FAST_ACT, True)
-        dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh,
-                            stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_hi, hi, left, right,
-                            s_scale, g_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION,
-                            FAST_ACT, True)
+        dk, dv = dkdv_band(k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh, stride_ot,
+                           stride_oh, offs_n, offs_d, offs_dv, start_n, len_q, left, right, s_scale, g_scale,
+                           ACT, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, True)
         store_rows(DK, dk * g_scale, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
         store_rows(DV_, dv * v_scale, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
