@@ -108,6 +108,25 @@ def _crashing_worker(rank: int, world_size: int) -> None:
     dist.barrier()  # rank 0 then fails on the closed connection
 
 
+def _atexit_worker(rank: int, world_size: int, marker_dir: str) -> int:
+    import atexit
+    from pathlib import Path
+
+    # Interpreter finalization would run this; the harness ends a rank without it (a gloo worker thread
+    # still releasing a finished work aborts the process there: pytorch/pytorch#190489).
+    atexit.register(lambda: (Path(marker_dir) / f"finalized_{rank}").touch())
+    dist.barrier()
+    return rank
+
+
+@pytest.mark.distributed
+def test_harness_ends_ranks_without_interpreter_finalization(tmp_path):
+    assert run_distributed(
+        __file__, "_atexit_worker", world_size=2, kwargs={"marker_dir": str(tmp_path)}
+    ) == [0, 1]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.distributed
 def test_harness_reports_every_rank_and_never_hangs():
     out = run_distributed(__file__, "_failing_worker", world_size=2, timeout_s=30, expect_failure=True)
