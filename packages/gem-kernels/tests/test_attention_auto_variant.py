@@ -123,10 +123,9 @@ def test_onetile_split_is_forced_like_the_others():
         ("tiled", True, "tiled"),
     ]:
         calls.clear()
-        with ta.force_variant(variant):
-            ta._choose(
-                key, [_fake_kernel_a], torch.device("cpu"), tiled, onetile, split if with_split else None
-            )
+        ta._choose(
+            variant, key, [_fake_kernel_a], torch.device("cpu"), tiled, onetile, split if with_split else None
+        )
         assert calls == [expected], (variant, with_split)
     with pytest.raises(ValueError):
         ta.force_chunk(0).__enter__()
@@ -147,14 +146,14 @@ def test_auto_times_the_split_backward_too_and_reads_its_choice_back(interpreted
     costs = {"tiled": 0.03, "onetile": 0.02, "onetile_split": 0.0}
     key = ("bwd-test", 1024, 2048, 64, 0)
     kernels = [_fake_kernel_a, _fake_kernel_b]
-    ta._choose(key, kernels, torch.device("cpu"), *_recorders(calls, costs))
+    ta._choose("auto", key, kernels, torch.device("cpu"), *_recorders(calls, costs))
     # Each candidate: one launch to compile and tune, one timed; then the winner runs.
     assert calls == ["tiled"] * 2 + ["onetile"] * 2 + ["onetile_split"] * 3
     assert ta.variant_choice[key] == "onetile_split"
     # A new process (empty in-memory choices) reads the choice from disk and times nothing.
     ta.variant_choice.clear()
     calls.clear()
-    ta._choose(key, kernels, torch.device("cpu"), *_recorders(calls, costs))
+    ta._choose("auto", key, kernels, torch.device("cpu"), *_recorders(calls, costs))
     assert calls == ["onetile_split"]
 
 
@@ -169,11 +168,11 @@ def test_two_candidate_cache_entries_still_read_and_never_break_three(interprete
     assert tune_cache.choose(key, kernels, old) == ("onetile", False)
     calls = []
     tiled, onetile, split = _recorders(calls, {"tiled": 0.02, "onetile": 0.01})
-    ta._choose(key, kernels, torch.device("cpu"), tiled, onetile)  # the forward: no split candidate
+    ta._choose("auto", key, kernels, torch.device("cpu"), tiled, onetile)  # the forward: no split candidate
     assert calls == ["onetile"]  # the old entry, read: nothing timed
     ta.variant_choice.clear()
     calls.clear()
-    ta._choose(key, kernels, torch.device("cpu"), tiled, onetile, split)
+    ta._choose("auto", key, kernels, torch.device("cpu"), tiled, onetile, split)
     assert calls == ["tiled"] * 2 + ["onetile"] * 2 + ["onetile_split"] * 3
     assert len(list((interpreted_auto / "v1").iterdir())) == 2  # the old entry kept beside the new one
     assert tune_cache.choose(key, kernels, old) == ("onetile", True)

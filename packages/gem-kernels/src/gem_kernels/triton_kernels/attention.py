@@ -391,19 +391,16 @@ def _with_fast_act_fallback(launch: Callable[[Consts], None], consts: Consts) ->
 
 
 def _choose(
-    key: tuple[Any, ...], kernels: list[Any], device: torch.device, tiled: Callable[[], None],
+    variant: str, key: tuple[Any, ...], kernels: list[Any], device: torch.device, tiled: Callable[[], None],
     onetile: Callable[[], None], split: Callable[[], None] | None = None,
 ) -> None:
     """Run ``tiled``, ``onetile`` or ``split`` (callables that launch; ``split`` only where a split kernel
-    exists, else ``onetile_split`` runs ``onetile``), per the forced or default variant; "auto" on CUDA
-    times each once per key and keeps the fastest, on disk too (:mod:`gem_kernels.tune_cache`: a new process
-    reads the choice and compiles only the winner). Under the interpreter it runs ``onetile``.
+    exists, else ``onetile_split`` runs ``onetile``), per ``variant`` (:func:`_resolved_variant`'s);
+    "auto" on CUDA times each once per key and keeps the fastest, on disk too (:mod:`gem_kernels.tune_cache`:
+    a new process reads the choice and compiles only the winner). Under the interpreter it runs ``onetile``.
 
     The candidates' names and kernels are part of the disk key, so a choice stored when there were two
     candidates (before ``onetile_split``) is not read for three: the bucket is timed once more."""
-    variant = _forced_variant or DEFAULT_VARIANT
-    if variant == "single_pass":  # only forwards get here (its backward runs before): as auto's
-        variant = "auto"
     launches = {"tiled": tiled, "onetile": onetile, "onetile_split": split or onetile}
     if variant != "auto" or (triton_interpreted() and not _tune_interpreted):
         launches.get(variant, onetile)()
@@ -523,8 +520,8 @@ def attention_fwd(
         _launch_onetile(_fwd_short_kv_tuned, fwd_short_kv_kernel, (batch * heads,), args, consts,
                         {"BLOCK_N": buckets[2]})
 
-    _choose(_choice_key("fwd", q, buckets, consts), [fwd_kernel, fwd_short_kv_kernel], q.device, tiled,
-            onetile)
+    _choose(variant, _choice_key("fwd", q, buckets, consts), [fwd_kernel, fwd_short_kv_kernel], q.device,
+            tiled, onetile)
     return out, lse
 
 
@@ -595,7 +592,7 @@ def attention_bwd(
 
     fused = bwd_short_kv_kernel if kind == "short_kv" else bwd_few_q_kernel
     fused_split = bwd_short_kv_split_kernel if kind == "short_kv" else bwd_few_q_split_kernel
-    _choose(_choice_key("bwd", q, buckets, consts),
+    _choose(variant, _choice_key("bwd", q, buckets, consts),
             [dq_kernel, dkdv_kernel, fused, fused_split, sum_chunk_partials_kernel], q.device, tiled, onetile,
             split)
     return dq, dk, dv
