@@ -228,10 +228,9 @@ def _worker_main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # report any failure (also KeyboardInterrupt) to the parent
         (out / f"error_{a.rank}.txt").write_text(f"{type(e).__name__}\n{e}")
         traceback.print_exc()
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # no destructor may wait on peers that are gone
-    finally:
-        sys.stdout.flush()
     if dist.is_initialized():
         dist.destroy_process_group()
     # The result is on disk; end without interpreter finalization. A gloo worker thread can still be releasing
