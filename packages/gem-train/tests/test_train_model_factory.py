@@ -54,9 +54,15 @@ def test_same_seed_same_weights_and_baseline_runs():
 
 
 def test_precision_recipe_converts_linears_and_keeps_parameter_names():
+    from gem_train.distributed import DistInfo
+    from gem_train.run import build_model_for
+
     cfg, ds = _setup("precision.recipe=mxfp8", "precision.min_features=16")
     plain = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0).model
-    conv = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0, precision=cfg.precision).model
+    # The run's own path: gem-parallel's parallelize applies the recipe (training or evaluation alike).
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    conv = build_model_for(cfg, ds.spec, one, training=False).built.model
+    assert build_model_for(cfg, ds.spec, one, training=True).module is not None
     n = sum(isinstance(m, gem_precision.MXFP8Linear) for m in conv.modules())
     assert n > 0
     assert list(plain.state_dict()) == list(conv.state_dict())  # checkpoints stay compatible

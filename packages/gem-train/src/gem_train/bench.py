@@ -2,7 +2,7 @@
 
 It times the trainer's own training step (:meth:`gem_train.run.Run.train_step`: learning rate, forward,
 loss, backward, clipping, both optimizers, and the step's one host sync, read one step late where the
-trainer does so too: :meth:`gem_train.run.Run.queue_step`) on the run that
+trainer does so too), through the trainer's own :class:`gem_train.run.StepPipeline`, on the run that
 :func:`gem_train.run.build_run` builds for training. Batches are generated before timing and cycled, so
 the numbers are the step's, not the data generator's; the generator's own rate is measured separately and
 reported as ``data_batches_per_s`` (one process, one worker).
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from gem_train.config import TrainConfig
-from gem_train.run import PendingStep, build_run
+from gem_train.run import StepPipeline, build_run
 
 __all__ = ["run_bench"]
 
@@ -42,20 +42,12 @@ def run_bench(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    # As the trainer steps: where the optimizers skip non-finite steps on the device, step k's loss is read
-    # after step k + 1 is queued (Run.queue_step), so the host never holds the GPU up between steps.
-    overlap = cfg.train.overlap_steps and run.can_queue_steps
-    pending: PendingStep | None = None
+    # As the trainer steps (StepPipeline): where the optimizers skip non-finite steps on the device, step
+    # k's loss is read after step k + 1 is queued, so the host never holds the GPU up between steps.
+    pipeline = StepPipeline(run, cfg.train.overlap_steps)
 
     def step(i: int) -> None:
-        nonlocal pending
-        batch = batches[i % len(batches)]
-        queued = run.queue_step(batch, i) if overlap else None
-        if queued is None:
-            run.train_step(batch, i)
-        if pending is not None:
-            pending.result()
-        pending = queued
+        pipeline.push(batches[i % len(batches)], i, read=False)
 
     for i in range(warmup):
         step(i)
@@ -67,8 +59,7 @@ def run_bench(
         now = time.perf_counter()
         times.append(now - t)  # per call; with overlap each is one step behind the device at most
         t = now
-    if pending is not None:
-        pending.result()
+    pipeline.flush()
     _sync(device)
     mean = (time.perf_counter() - t_all) / steps
     peak = run.peak_flops

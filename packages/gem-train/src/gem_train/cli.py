@@ -123,14 +123,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _checkpoint_config(ckpt: Path, overrides: list[str]) -> tuple[TrainConfig, Path]:
-    from gem_train.checkpoint import latest_checkpoint, read_trainer_state
+    from gem_train.checkpoint import read_trainer_state
     from gem_train.config import apply_overrides
+    from gem_train.run_dir import resolve_checkpoint
 
-    if (ckpt / "checkpoints").is_dir():
-        found = latest_checkpoint(ckpt / "checkpoints")
-        if found is None:
-            raise FileNotFoundError(f"run directory {ckpt} has no complete checkpoint")
-        ckpt = found
+    ckpt = resolve_checkpoint(ckpt)
     state = read_trainer_state(ckpt)
     cfg = config_from_dict(TrainConfig, apply_overrides(state["config"], overrides))
     cfg.validate()

@@ -13,14 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 import gem_model
 from gem_model import FeatureSpec, GemBatch, GemConfig
 from gem_train.baseline import BaselineMLP
-from gem_train.config import ConfigError, ModelSection, PrecisionConfig, check_value
+from gem_train.config import ConfigError, ModelSection, check_value
 
-__all__ = ["BuiltModel", "apply_precision", "build_gem_config", "build_model"]
+__all__ = ["BuiltModel", "build_gem_config", "build_model"]
 
 
 def build_gem_config(section: ModelSection, spec: FeatureSpec) -> GemConfig:
@@ -52,39 +51,18 @@ class BuiltModel:
     flops: Callable[[GemBatch], int] | None  # model FLOPs of forward+backward of one batch
 
 
-def apply_precision(model: nn.Module, precision: PrecisionConfig) -> int:
-    """Convert the model's linear layers with a gem-precision recipe (in place); returns how many."""
-    if precision.recipe == "none":
-        return 0
-    import gem_precision
-
-    recipe = getattr(gem_precision.Recipe, precision.recipe)()
-    gem_precision.convert(
-        model, recipe, min_features=precision.min_features, keep_last_blocks=precision.keep_last_blocks
-    )
-    return sum(isinstance(m, gem_precision.MXFP8Linear) for m in model.modules())
-
-
 def build_model(
     section: ModelSection,
     spec: FeatureSpec,
     device: torch.device,
     seed: int,
-    precision: PrecisionConfig | None = None,
 ) -> BuiltModel:
     """Build and initialise the model on ``device`` (the same weights on every rank for the same seed).
 
     GEM models are built on the meta device, materialised with ``to_empty`` and initialised by
-    ``init_weights()`` (no host copy of big tables). A precision recipe then converts linear layers; the
-    converted layers keep their parameters, so names (and checkpoints) do not change.
+    ``init_weights()`` (no host copy of big tables). Precision, compile and parallelism are applied after,
+    by ``gem_parallel.parallelize`` (:func:`gem_train.run.build_model_for`).
     """
-    built = _build(section, spec, device, seed)
-    if precision is not None:
-        apply_precision(built.model, precision)
-    return built
-
-
-def _build(section: ModelSection, spec: FeatureSpec, device: torch.device, seed: int) -> BuiltModel:
     torch.manual_seed(seed)
     if section.arch == "mlp":
         return BuiltModel(BaselineMLP(spec, section.baseline, device=device), None, None)

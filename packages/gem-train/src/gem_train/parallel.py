@@ -1,8 +1,10 @@
-"""The ``[parallel]`` section applied: ``gem_parallel.ParallelDims`` + ``parallelize`` for a torchrun run.
+"""``[parallel]``, ``[precision]`` and ``train.compile`` translated into gem-parallel's typed config.
 
-With one process nothing is applied. With several, a GEM model goes through ``gem_parallel.parallelize``
-(activation checkpointing, per-layer compile, expert parallelism, FSDP2/HSDP, embedding sharding); the
-MLP baseline, which has no ``layers`` to shard, is replicated with DDP.
+gem-parallel owns preparing a model for training (``gem_parallel.parallelize``: precision, per-layer compile,
+activation checkpointing, expert parallelism, FSDP2/HSDP, sharded tables, the one-rank path); this module
+only says what a gem-train config asks of it. The option names and their choices are gem-parallel's
+(:mod:`gem_parallel.config`); a value it rejects is a :class:`~gem_train.config.ConfigError` naming the
+TOML key.
 """
 
 from __future__ import annotations
@@ -12,12 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from gem_train.config import ConfigError, TrainConfig
-from gem_train.distributed import DistInfo
 
-__all__ = ["Layout", "apply_parallel", "sparse_strategy"]
+__all__ = ["ParallelPlan", "parallel_plan", "sparse_strategy"]
 
 
 def _available(module: str) -> bool:
@@ -27,13 +27,16 @@ def _available(module: str) -> bool:
         return False
 
 
-def sparse_strategy(cfg: TrainConfig) -> str | None:
-    """``parallel.strategy`` resolved: None (FSDP owns the tables) or a ``gem_parallel`` strategy name."""
+def sparse_strategy(cfg: TrainConfig, world_size: int) -> str | None:
+    """``parallel.strategy`` resolved: None (FSDP or DDP owns the tables) or a gem-parallel strategy name.
+
+    "auto" is "1d" on several ranks when gem-parallel's sparse sharding is installed, else None; one process
+    and the MLP baseline (no blocks) never shard tables."""
     s = cfg.parallel.strategy
+    if s == "none" or world_size == 1 or cfg.model.arch == "mlp":
+        return None
     if s == "auto":
         return "1d" if _available("gem_parallel.sparse") else None
-    if s == "none":
-        return None
     if not _available("gem_parallel.sparse"):
         raise ConfigError(
             f"parallel.strategy = {s!r} needs gem_parallel.sparse, which this gem-parallel does not have; "
@@ -42,62 +45,60 @@ def sparse_strategy(cfg: TrainConfig) -> str | None:
     return s
 
 
-@dataclass
-class Layout:
-    """What was applied: the degrees (None: DDP or one process) and the resolved table strategy."""
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What ``gem_parallel.parallelize`` gets: the degrees (``gem_parallel.ParallelDims``) and the config
+    (``gem_parallel.ParallelConfig``)."""
 
-    dims: object | None  # gem_parallel.ParallelDims
-    strategy: str | None
-    wrapper: str  # "none" (one process), "ddp" or "parallelize"
-    # gem_parallel.sparse.SparseSharding of TorchRec-sharded tables (their optimizer is fused into the
-    # backward; ``step()`` syncs 2D replicas), or None.
-    sparse: Any = None
+    dims: Any
+    config: Any
 
     @property
     def dp_replicate(self) -> int:
-        return int(getattr(self.dims, "dp_replicate", 1))
+        return int(self.dims.dp_replicate)
 
 
-def _check_balancer(cfg: TrainConfig) -> None:
-    if cfg.parallel.balancer != "none" and not _available("gem_parallel.balance"):
-        raise ConfigError(
-            f"parallel.balancer = {cfg.parallel.balancer!r} needs gem_parallel.balance, which this "
-            "gem-parallel does not have; use 'none'"
-        )
+def _recipe(cfg: TrainConfig) -> Any:
+    if cfg.precision.recipe == "none":
+        return None
+    import gem_precision
+
+    return getattr(gem_precision.Recipe, cfg.precision.recipe)()
 
 
-def apply_parallel(
-    model: nn.Module, cfg: TrainConfig, d: DistInfo, autocast_dtype: torch.dtype | None
-) -> tuple[nn.Module, Layout]:
-    """The module the training step calls, and the layout. One process: ``model`` (compiled if
-    ``train.compile``), unchanged otherwise."""
-    _check_balancer(cfg)
-    if d.world_size == 1:
-        if cfg.train.compile:
-            from gem_train.compile import apply_compile
+def _config_error(e: ValueError, world_size: int) -> ConfigError:
+    from gem_train.config.parallel import toml_message
 
-            model = apply_compile(model)
-        return model, Layout(None, None, "none")
-    if not isinstance(getattr(model, "layers", None), nn.ModuleDict | nn.ModuleList):
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    return ConfigError(f"{toml_message(e)} (world size {world_size})")
 
-        # The baseline: every parameter replicated.
-        ddp = DDP(
-            model,
-            device_ids=[d.device.index] if d.device.type == "cuda" else None,
-            find_unused_parameters=True,  # some tables may see no ids in a batch
-        )
-        return ddp, Layout(None, None, "ddp")
-    from gem_parallel import FSDPConfig, ParallelConfig, ParallelDims, parallelize
+
+def parallel_plan(
+    cfg: TrainConfig, world_size: int, autocast_dtype: torch.dtype | None, *, training: bool = True
+) -> ParallelPlan:
+    """The plan of a ``world_size``-rank run of ``cfg``; ``training=False``: what evaluation needs (the
+    precision recipe only: the same layers as in training, nothing compiled, wrapped or sharded)."""
+    from gem_parallel import FSDPConfig, ParallelConfig, ParallelDims
 
     p = cfg.parallel
-    strategy = sparse_strategy(cfg)
+    recipe = _recipe(cfg)
+    precision = dict(
+        precision=recipe,
+        precision_min_features=cfg.precision.min_features,
+        precision_keep_last_blocks=cfg.precision.keep_last_blocks,
+    )
+    if not training:
+        return ParallelPlan(ParallelDims(world_size=1, ranks_per_host=1), ParallelConfig(**precision))
+    strategy = sparse_strategy(cfg, world_size)
     try:
-        dims = ParallelDims(
-            dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, ep=p.ep, sparse_group=p.group_size,
-            world_size=d.world_size,
-        )  # fmt: skip
-        pcfg = ParallelConfig(
+        if world_size == 1:
+            # One process: the degrees of [parallel] (meant for torchrun) do not apply.
+            dims = ParallelDims(world_size=1, ranks_per_host=1)
+        else:
+            dims = ParallelDims(
+                dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, ep=p.ep, sparse_group=p.group_size,
+                world_size=world_size,
+            )  # fmt: skip
+        config = ParallelConfig(
             fsdp=FSDPConfig(param_dtype=autocast_dtype, reduce_dtype=torch.float32),
             expert_parallel=p.ep > 1,
             all_gather=p.all_gather,
@@ -110,13 +111,8 @@ def apply_parallel(
             # The fused row-wise Adagrad of TorchRec-sharded tables: gem-train's sparse optimizer settings.
             embedding_lr=cfg.optim.sparse_lr,
             embedding_eps=cfg.optim.sparse_eps,
+            **precision,
         )
     except ValueError as e:
-        raise ConfigError(f"parallel: {e} (world size {d.world_size})") from None
-    mesh = dims.build_mesh(d.device.type)
-    sparse_mesh = dims.build_sparse_mesh(d.device.type) if strategy is not None else None
-    try:
-        model = parallelize(model, dims, mesh, pcfg, sparse_mesh=sparse_mesh)
-    except ValueError as e:  # raised on every rank before any collective
-        raise ConfigError(f"parallel: {e}") from None
-    return model, Layout(dims, strategy, "parallelize", getattr(model, "sparse_sharding", None))
+        raise _config_error(e, world_size) from None
+    return ParallelPlan(dims, config)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,16 +19,28 @@ from torch import Tensor, nn
 
 from gem_model import FeatureSpec, GemBatch, GemModel, multitask_loss
 from gem_train.config import ConfigError, TrainConfig
+from gem_train.config.parallel import toml_message
 from gem_train.data.loader import BatchSource
 from gem_train.distributed import DistInfo, init_distributed
 from gem_train.grad_norm import clip_grad_norm
 from gem_train.mfu import device_peak_flops
-from gem_train.model_factory import BuiltModel, build_gem_config, build_model
+from gem_train.model_factory import BuiltModel, build_model
 from gem_train.optim import build_optimizers, lr_factor, set_lr
-from gem_train.parallel import Layout, apply_parallel
+from gem_train.parallel import ParallelPlan, parallel_plan
 from gem_train.selection import check_selection
 
-__all__ = ["PendingStep", "Run", "StepResult", "build_run", "build_source", "resolve_autocast"]
+__all__ = [
+    "PendingStep",
+    "Prepared",
+    "Run",
+    "StepDone",
+    "StepPipeline",
+    "StepResult",
+    "build_model_for",
+    "build_run",
+    "build_source",
+    "resolve_autocast",
+]
 
 
 def build_source(cfg: TrainConfig) -> BatchSource:
@@ -85,6 +98,53 @@ class PendingStep:
         return StepResult(loss_value, norm, finite, self.per_task)
 
 
+class StepPipeline:
+    """The training steps of a run, as the trainer runs them and ``gem-train bench`` times them.
+
+    Where every optimizer skips a non-finite step on the device (:attr:`Run.can_queue_steps`) and
+    ``overlap`` is on (``train.overlap_steps``), a step whose result nobody needs at once is left unread: its
+    loss and gradient norm are read after the next step is queued, so the GPU never waits for the host
+    between two steps. Otherwise every step is read as it ends (:meth:`Run.train_step`).
+    """
+
+    def __init__(self, run: Run, overlap: bool) -> None:
+        self.run = run
+        self.overlap = overlap and run.can_queue_steps
+        self._pending: tuple[int, PendingStep, Any] | None = None
+
+    def push(self, batch: GemBatch, step: int, *, read: bool = True, tag: Any = None) -> list[StepDone]:
+        """Run 0-based ``step`` on ``batch`` (on the device); returns the steps read now, oldest first: the
+        previous step if it was left unread, then this one unless it is left unread (``read=False`` while
+        overlapping). ``tag`` comes back with the step's result."""
+        if not self.overlap:
+            return [StepDone(step + 1, self.run.train_step(batch, step), tag)]
+        queued = self.run.queue_step(batch, step)
+        done = self.flush()
+        if read:
+            done.append(StepDone(step + 1, queued.result(), tag))
+        else:
+            self._pending = (step + 1, queued, tag)
+        return done
+
+    def flush(self) -> list[StepDone]:
+        """Read the step left unread, if any (a list of at most one)."""
+        if self._pending is None:
+            return []
+        number, pending, tag = self._pending
+        self._pending = None
+        return [StepDone(number, pending.result(), tag)]
+
+
+@dataclass
+class StepDone:
+    """A step whose result was read: its 1-based ``number`` (the step count after it), its result and the
+    caller's ``tag``."""
+
+    number: int
+    result: StepResult
+    tag: Any = None
+
+
 def skips_on_device(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt`` skips its update on the device when its ``found_inf`` attribute (a float32 0-d
     tensor, as ``torch.amp.GradScaler`` sets it) is 1: fused Adam/AdamW and :class:`RowWiseAdagrad`."""
@@ -102,13 +162,29 @@ class Run:
     cfg: TrainConfig
     dist: DistInfo
     source: BatchSource
-    built: BuiltModel
-    train_model: nn.Module  # what the step calls: the model, compiled and/or wrapped for several processes
+    prepared: Prepared  # the model, and what the step calls: compiled and/or wrapped for several processes
     optimizers: list[torch.optim.Optimizer]
     dense_params: list[nn.Parameter]
     autocast_dtype: torch.dtype | None
     peak_flops: float | None
-    layout: Layout  # what [parallel] applied (one process: nothing)
+
+    @property
+    def built(self) -> BuiltModel:
+        return self.prepared.built
+
+    @property
+    def train_model(self) -> nn.Module:
+        return self.prepared.module
+
+    @property
+    def sparse(self) -> Any:
+        """The TorchRec sharding of the tables (``Prepared.sparse``), or None."""
+        return self.prepared.sparse
+
+    def fresh_eval_model(self) -> nn.Module:
+        """A new model of this run's config, prepared for evaluation as :func:`build_run` does with
+        ``training=False`` (for loading a checkpoint beside the training model)."""
+        return build_model_for(self.cfg, self.spec, self.dist, training=False).module
 
     @property
     def device(self) -> torch.device:
@@ -200,8 +276,8 @@ class Run:
     def _optimizer_steps(self) -> None:
         for opt in self.optimizers:
             opt.step()
-        if self.layout.sparse is not None:
-            self.layout.sparse.step()  # 2D: the replicas' sync every sync_every steps
+        if self.sparse is not None:
+            self.sparse.step()  # 2D: the replicas' sync every sync_every steps
 
     def _step_values(self, loss: Tensor, grad_norm: Tensor) -> Tensor:
         """``[loss, grad_norm]`` (float32, on the device); the loss averaged over ranks.
@@ -222,41 +298,73 @@ class Run:
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         grads = [p.grad for p in params if p.grad is not None]
         return clip_grad_norm(
-            grads, max_norm, world_size=self.dist.world_size, dp_replicate=self.layout.dp_replicate
+            grads, max_norm, world_size=self.dist.world_size, dp_replicate=self.prepared.plan.dp_replicate
         )
 
 
+def build_model_for(cfg: TrainConfig, spec: FeatureSpec, dist_info: DistInfo, *, training: bool) -> Prepared:
+    """The model of ``cfg`` on ``dist_info``'s device, prepared by ``gem_parallel.parallelize``: for training
+    (precision, compile, activation checkpointing, FSDP2/EP/sharded tables or DDP on several ranks) or, with
+    ``training=False``, for evaluation (the precision recipe only, so its layers are the trained ones)."""
+    from gem_parallel import parallelize
+
+    autocast_dtype = resolve_autocast(cfg.train.autocast, dist_info.device)
+    built = build_model(cfg.model, spec, dist_info.device, cfg.run.seed)
+    plan = parallel_plan(cfg, dist_info.world_size, autocast_dtype, training=training)
+    try:
+        # In place (FSDP2 swaps classes; parameter names stay): built.model is the model of the checkpoints.
+        module = parallelize(built.model, plan.dims, config=plan.config)
+    except ValueError as e:  # raised on every rank before any collective
+        raise ConfigError(toml_message(e)) from None
+    return Prepared(built, module, plan)
+
+
+@dataclass
+class Prepared:
+    """A built model and the module the step calls (``module``: compiled, wrapped for several processes)."""
+
+    built: BuiltModel
+    module: nn.Module
+    plan: ParallelPlan
+
+    @property
+    def sparse(self) -> Any:
+        """``gem_parallel.sparse.SparseSharding`` of TorchRec-sharded tables (their optimizer is fused into
+        the backward; ``step()`` syncs 2D replicas), or None."""
+        return getattr(self.module, "sparse_sharding", None)
+
+
 def build_run(cfg: TrainConfig, *, training: bool = True) -> Run:
-    """Process group, device, data source, model, and (``training``) optimizers, compile and the
-    multi-process wrapper; the autocast dtype. ``training=False`` builds what evaluation needs.
+    """Process group, device, data source, model prepared by gem-parallel, and (``training``) optimizers;
+    the autocast dtype. ``training=False`` builds what evaluation needs.
 
     Everything that can reject the config happens here, before a run directory exists: the dataset (a
-    corrupt MovieLens record), the selection task, the model's overrides.
+    corrupt MovieLens record), the selection task, the model's overrides, the parallel layout.
     """
     d = init_distributed(cfg.run.device, cfg.run.cpu_threads, cfg.parallel.timeout_s)
+    if d.device.type == "cuda":
+        from gem_kernels import prewarm_triton
+
+        prewarm_triton()  # Triton's per-process hash in the background while the data and model are built
     source = build_source(cfg)
     check_selection(cfg, source)
-    if cfg.model.arch == "gem":
-        build_gem_config(cfg.model, source.spec)
     autocast_dtype = resolve_autocast(cfg.train.autocast, d.device)
-    built = build_model(cfg.model, source.spec, d.device, cfg.run.seed, cfg.precision)
-    model = built.model
+    prepared = build_model_for(cfg, source.spec, d, training=training)
+    model = prepared.built.model
     peak = device_peak_flops(d.device, cfg.train.peak_flops)
     if not training:
-        return Run(cfg, d, source, built, model, [], [], autocast_dtype, peak, Layout(None, None, "none"))
-    # gem_parallel.parallelize changes the modules in place (FSDP2) and keeps parameter names; the
-    # optimizers are built after it, on the parameters as they are then (DTensors under FSDP2).
-    train_model, layout = apply_parallel(model, cfg, d, autocast_dtype)
+        return Run(cfg, d, source, prepared, [], [], autocast_dtype, peak)
+    # The optimizers are built after parallelize, on the parameters as they are then (DTensors under FSDP2).
     dense = list(model.dense_parameters())
     sparse = list(model.sparse_parameters())
     seen = {id(p) for p in dense + sparse}
     # Anything the model lists in neither group trains with the dense optimizer.
     dense += [p for p in model.parameters() if id(p) not in seen]
-    if layout.sparse is not None:
+    if prepared.sparse is not None:
         # TorchRec-sharded tables train with the row-wise Adagrad fused into their backward.
         tables = {id(p) for p in model.embeddings.parameters()}
         dense, sparse = [p for p in dense if id(p) not in tables], []
     # The GEM model names its no-decay parameters (learned tokens); the MLP baseline has none beyond 1-D.
     no_decay = list(model.no_weight_decay_parameters()) if isinstance(model, GemModel) else []
     optimizers = build_optimizers(dense, sparse, cfg.optim, no_decay)
-    return Run(cfg, d, source, built, train_model, optimizers, dense, autocast_dtype, peak, layout)
+    return Run(cfg, d, source, prepared, optimizers, dense, autocast_dtype, peak)

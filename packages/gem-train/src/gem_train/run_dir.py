@@ -24,7 +24,7 @@ from gem_train.checkpoint import latest_checkpoint
 from gem_train.config import TrainConfig, config_to_dict, dumps_toml
 from gem_train.distributed import DistInfo
 
-__all__ = ["RunDir", "create_run_dir", "resolve_resume", "shared_run_dir"]
+__all__ = ["RunDir", "create_run_dir", "resolve_checkpoint", "resolve_resume", "shared_run_dir"]
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,13 @@ def resolve_resume(resume: str | Path, name: str, out_dir: str | Path) -> Path:
             if ck is not None:
                 return ck
         raise FileNotFoundError(f"no checkpoint of a run named {name!r} under {out_dir}")
-    path = Path(resume)
+    return resolve_checkpoint(resume)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint a path names: a checkpoint directory itself, or a run directory's newest complete
+    checkpoint. Raises FileNotFoundError naming what is missing."""
+    path = Path(path)
     if (path / "checkpoints").is_dir():  # a run directory: take its newest checkpoint
         ck = latest_checkpoint(path / "checkpoints")
         if ck is None:

@@ -25,7 +25,6 @@ from gem_train.config import ConfigError, TrainConfig
 from gem_train.data.loader import BatchSource
 from gem_train.evaluation import EvalResult, evaluate_model, selection_value
 from gem_train.logger import MetricsLogger
-from gem_train.model_factory import build_model
 
 if TYPE_CHECKING:
     from gem_train.run import Run
@@ -103,7 +102,7 @@ class BestSelection:
                 "valid": {t: m.as_dict() for t, m in ev.tasks.items()},
             }
             save_best_checkpoint(
-                self.checkpoints, step, r.model, r.optimizers, extra, background=True, sparse=r.layout.sparse
+                self.checkpoints, step, r.model, r.optimizers, extra, background=True, sparse=r.sparse
             )
 
     def should_stop_early(self) -> bool:
@@ -150,7 +149,7 @@ class BestSelection:
         if found is None:
             return None
         r, cfg = self.run, self.run.cfg
-        model = build_model(cfg.model, r.spec, r.device, cfg.run.seed, cfg.precision).model
+        model = r.fresh_eval_model()
         state = load_checkpoint(found, model, None, restore_rng=False)
         return evaluate_model(
             model,

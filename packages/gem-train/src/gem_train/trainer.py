@@ -41,7 +41,7 @@ from gem_train.logger import MetricsLogger, truncate_metrics
 from gem_train.non_finite import NonFiniteLossError, handle_non_finite, step_is_boundary
 from gem_train.prefetch import DevicePrefetcher
 from gem_train.report import final_evaluation
-from gem_train.run import PendingStep, Run, StepResult, build_run
+from gem_train.run import Run, StepPipeline, StepResult, build_run
 from gem_train.run_dir import resolve_resume, shared_run_dir
 from gem_train.selection import BestSelection
 from gem_train.signals import StopNow, StopSignals
@@ -93,7 +93,7 @@ class Trainer:
         self.balancer = BalancerPosition()  # parallel.balancer = "base_batch_shuffling"
         resharded = False
         if resume_from is not None:
-            sparse = self.setup.layout.sparse
+            sparse = self.setup.sparse
             state = load_checkpoint(resume_from, self.model, self.optimizers, reshard=True, sparse=sparse)
             if hasattr(self.setup.source, "check_resume"):  # a streamed position needs the same layout
                 self.setup.source.check_resume(state, self.dist.world_size, cfg.data.num_workers)
@@ -159,9 +159,7 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         """Checkpoint the current state as ``step`` (all ranks call); see :class:`CheckpointKeeper`."""
-        return self.checkpoints.save(
-            step, self.model, self.optimizers, self._extra(step), self.setup.layout.sparse
-        )
+        return self.checkpoints.save(step, self.model, self.optimizers, self._extra(step), self.setup.sparse)
 
     def evaluate(
         self,
@@ -245,13 +243,9 @@ class Trainer:
             self.dist.is_main,
         )  # fmt: skip
 
-    def _account(
-        self, step: int, out: StepResult | PendingStep, batch: GemBatch, window: TrainWindow
-    ) -> bool:
+    def _account(self, step: int, out: StepResult, batch: GemBatch, window: TrainWindow) -> bool:
         """Book (1-based) ``step``'s result: False if it was non-finite (skipped, or raises by the NaN
         policy), else confirm the newest checkpoint and add the step to the loss list and the log window."""
-        if isinstance(out, PendingStep):
-            out = out.result()
         if not out.finite:  # raises, or skips this batch (and counts it)
             self.skipped = handle_non_finite(
                 step,
@@ -295,10 +289,9 @@ class Trainer:
             counted, self.device, select=lambda item: item[0].batch, host_ahead=HOST_AHEAD if cuda else 0
         )
         # With optimizers that skip non-finite steps on the device (fused AdamW: CUDA's default), a step
-        # that no log, evaluation, checkpoint or stop follows is left unread: its loss is read after the next
-        # step is queued, so the GPU never idles on the host between two steps.
-        overlap = cfg.train.overlap_steps and r.can_queue_steps
-        pending: tuple[int, PendingStep, GemBatch] | None = None
+        # that no log, evaluation, checkpoint or stop follows is left unread (StepPipeline): its loss is read
+        # after the next step is queued, so the GPU never idles on the host between two steps.
+        pipeline = StepPipeline(r, cfg.train.overlap_steps)
         try:
             if self._should_stop():
                 status = "interrupted"
@@ -307,23 +300,16 @@ class Trainer:
                 if isinstance(loader, BalancedTrainStream):  # its state as of this batch, for checkpoints
                     self.balancer.state = loader.state_after(lb.index)
                 window.flops += flops
-                queued = r.queue_step(batch, step) if overlap else None
-                out = r.train_step(batch, step) if queued is None else None
+                read = (
+                    not pipeline.overlap
+                    or step_is_boundary(cfg.train, cfg.checkpoint.every, step + 1, stop_after)
+                    or self._should_stop()
+                )
+                done = pipeline.push(batch, step, read=read, tag=batch)
                 step += 1
                 bar.update(1)
-                if pending is not None:  # the previous step, read while the device runs this one
-                    self._account(*pending, window)
-                    pending = None
-                if queued is not None:
-                    if (
-                        not step_is_boundary(cfg.train, cfg.checkpoint.every, step, stop_after)
-                        and not self._should_stop()
-                    ):
-                        pending = (step, queued, batch)
-                        continue
-                    out = queued.result()
-                assert out is not None
-                if not self._account(step, out, batch, window):
+                finite = [self._account(s.number, s.result, s.tag, window) for s in done]
+                if not read or not finite[-1]:  # left unread, or non-finite (skipped)
                     continue
 
                 if step % cfg.train.log_every == 0 or step == total:

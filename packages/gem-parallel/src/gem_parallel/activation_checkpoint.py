@@ -1,5 +1,4 @@
-"""Activation checkpointing per layer (full, selective, memory budget), per-layer compile, FP8 saved
-activations.
+"""Activation checkpointing per layer (full, selective, memory budget) and FP8 saved activations.
 
 Every entry of ``model.layers`` becomes a *region*: its class is swapped for a subclass whose ``forward``
 runs the original one under the chosen policy (as FSDP2 swaps classes: parameter names, ``isinstance`` and
@@ -14,8 +13,10 @@ hooks stay as they were):
   cheapest per byte (:func:`allocate_region_budgets`) from a calibration of every layer during the first
   forward (that step runs the layers eagerly with full checkpointing; later steps run compiled). On older
   torch one global budget (``torch._functorch.config.activation_memory_budget``) covers all layers.
-- ``compile=True``: the region's function is ``torch.compile``d (one compiled function per policy, shared
-  by identical layers; with "full"/"selective" the checkpoint is traced inside it).
+- ``compile=True``: the region's function is compiled by :func:`gem_parallel.compile.compile_function` (one
+  compiled function per policy, shared by identical layers, with the jagged sizes dynamic as everywhere in
+  gem; with "full"/"selective" the checkpoint is traced inside it). With "none" and ``compile=True`` the
+  layers are compiled as they are (:func:`gem_parallel.compile.compile_layers`), with no region around them.
 
 Saved activations in FP8 / MXFP8 (:func:`apply_saved_activation_compression`): the whole forward runs
 under gem-precision's ``compress_saved_activations``, so every tensor autograd saves (all of them with
@@ -43,6 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils.flop_counter import FlopCounterMode
 
 from gem_parallel.activation_memory import is_activation
+from gem_parallel.compile import compile_function, compile_layers
 
 __all__ = [
     "ROOFLINE_FLOPS_PER_BYTE",
@@ -96,10 +98,6 @@ def _region(module: nn.Module) -> _Region:
     return cast(_Region, module._gem_region)
 
 
-def _plain(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return _region(module).forward(module, *args, **kwargs)
-
-
 def _full(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(_region(module).forward, module, *args, use_reentrant=False, **kwargs)
 
@@ -121,13 +119,13 @@ def _budgeted(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return region.forward(module, *args, **kwargs)
 
 
-_POLICY_FUNCTIONS = {"none": _plain, "full": _full, "selective": _selective, "budget": _budgeted}
+_POLICY_FUNCTIONS = {"full": _full, "selective": _selective, "budget": _budgeted}
 _COMPILED: dict[str, Callable[..., Any]] = {}
 
 
 def _compiled(policy: str) -> Callable[..., Any]:
     if policy not in _COMPILED:
-        _COMPILED[policy] = torch.compile(_POLICY_FUNCTIONS[policy])
+        _COMPILED[policy] = compile_function(_POLICY_FUNCTIONS[policy])
     return _COMPILED[policy]
 
 
@@ -303,7 +301,7 @@ def apply_activation_checkpointing(
     Args:
         model: a model with a ``layers`` ModuleDict / ModuleList.
         policy: "none", "full", "selective" or "budget" ("budget" needs ``compile``).
-        compile: ``torch.compile`` each region.
+        compile: compile each layer (with a region: the region's function; with "none": the layer itself).
         memory_budget: with "budget", the share of activation bytes to keep, in (0, 1].
 
     Returns:
@@ -314,7 +312,9 @@ def apply_activation_checkpointing(
         if not compile:
             raise ValueError("activation_checkpointing='budget' needs compile=True")
         check_no_dropout(model)
-    if policy == "none" and not compile:
+    if policy == "none":
+        if compile:
+            compile_layers(model)
         return {"regions": [], "planner": None}
     layers = model.layers
     items = (
