@@ -38,8 +38,11 @@ import torch.distributed as dist
 
 import gem_model as gm
 from gem_parallel import FSDPConfig, ParallelConfig, ParallelDims, parallelize, retained_bytes
+from gem_parallel.activation_checkpoint import (
+    apply_activation_checkpointing,
+    apply_saved_activation_compression,
+)
 from gem_parallel.all_gather import QuantizedAllGatherWeight
-from gem_parallel.checkpointing import apply_activation_checkpointing, apply_saved_activation_compression
 
 PARTS = ("checkpointing", "max-batch", "all-gather", "fsdp")
 POLICIES = ("none", "full", "selective", "budget")

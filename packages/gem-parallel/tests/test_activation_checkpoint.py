@@ -29,7 +29,7 @@ from dense_helpers import build_model, max_rel_diff, small_config
 
 import gem_model as gm
 from gem_parallel import allocate_region_budgets, retained_bytes, saved_tensor_bytes
-from gem_parallel.checkpointing import (
+from gem_parallel.activation_checkpoint import (
     apply_activation_checkpointing,
     apply_saved_activation_compression,
     check_no_dropout,
@@ -158,7 +158,11 @@ def test_budget_regions_calibrate_then_compile():
     model = copy.deepcopy(base)
     info = apply_activation_checkpointing(model, "budget", compile=True, memory_budget=0.3)
     planner = info["planner"]
-    steps = [_stack_step(model, x) for _ in range(3)]  # 1: calibration (eager, full AC); 2-3: compiled
+    from gem_parallel.compile import compile_counters
+
+    steps = [_stack_step(model, x) for _ in range(2)]  # 1: calibration (eager, full AC); 2: compiled
+    compiled = compile_counters()
+    steps += [_stack_step(model, x) for _ in range(2)]  # 3-4: compiled, nothing new
     assert planner.ready
     budgets = planner.budgets
     assert set(budgets) == {"layers.0", "layers.1", "layers.2"}
@@ -170,7 +174,11 @@ def test_budget_regions_calibrate_then_compile():
         # Compiled (inductor) vs eager fp32: fused kernels round differently, ~1e-8 here.
         assert max(max_rel_diff(grads[n], ref_grads[n]) for n in grads) <= 1e-5
         assert held < 0.5 * ref_held, (held, ref_held)  # the compiler's default alone saves ~25%
-    assert steps[1][1] == steps[2][1]  # compiled steps agree (no recompilation flip-flop)
+    # No recompilation after the first compiled step (with dynamic sizes the first compiled step holds a few
+    # bytes more than the later ones: 24 B here, an allocation made once), and the later steps agree.
+    assert compile_counters()["frames_ok"] == compiled["frames_ok"]
+    assert compile_counters()["recompiles"] == compiled["recompiles"]
+    assert steps[2][1] == steps[3][1]
 
 
 def test_budget_guards_random_ops():
