@@ -146,7 +146,7 @@ def reference_run(
     Returns ``losses[step][rank]`` (before that step's update), ``tables[r]`` / ``state[r]`` (per table
     name) after the last step, ``touched[r]`` (rows each replica's batches looked up) and the initial tables.
     """
-    from gem_train.optim import RowWiseAdagrad
+    from gem_train.loop.optim import RowWiseAdagrad
 
     models = [ToyModel() for _ in range(replicas)]
     opts = [RowWiseAdagrad(m.embeddings.parameters(), lr=lr, eps=eps) for m in models]

@@ -5,17 +5,18 @@ One process, for each recipe (default ``bf16`` = no conversion under the config'
 dynamic, caches in ``$GEM_COMPILE_CACHE`` or ``~/.cache/gem/compile``), then
 
 - warm-up: one step on each of ``--distinct`` batches of different jagged sizes; its wall time is the
-  compilation plus kernel autotuning (``first_step_s`` is the first step alone). Run the script twice to see
-  the warm-up from a warm cache;
+  compilation plus kernel autotuning (``first_step_s`` is the first step alone). BuiltRun the script twice to
+  see the warm-up from a warm cache;
 - recompiles: dynamo's frame counters during the warm-up (graphs compiled) and during the timed steps (must be
   0: every batch has new sizes);
-- steady state: ``--steps`` steps of the trainer's own step (:meth:`gem_train.run.Run.train_step`, with
-  its one host sync for the loss and gradient norm) cycling those batches: ms/step,
+- steady state: ``--steps`` steps of the trainer's own step (:meth:`gem_train.loop.step.BuiltRun.train_step`,
+  with its one host sync for the loss and gradient norm) cycling those batches: ms/step,
   examples/s, model TFLOP/s (``gem_model.flops``), MFU against the datasheet dense bf16 peak of the device
-  (``gem_train.mfu.PEAK_FLOPS``; FP8 runs against the same bf16 peak) and against the bf16 GEMM ceiling
+  (``gem_train.loop.mfu.PEAK_FLOPS``; FP8 runs against the same bf16 peak) and against the bf16 GEMM ceiling
   measured here (8192^3), peak memory;
-- the same steps fed from pinned host batches through :class:`gem_train.prefetch.DevicePrefetcher` (copies one
-  step ahead on a side stream), as the training loop gets them: its step time against the resident batches';
+- the same steps fed from pinned host batches through :class:`gem_train.loop.prefetch.DevicePrefetcher`
+  (copies one step ahead on a side stream), as the training loop gets them: its step time against the resident
+  batches';
 - a profile of ``--profile-steps`` steps: the share of GPU time by kernel kind (GEMM, FP8 quantization,
   attention, inductor-fused, embeddings, copies, other).
 
@@ -43,10 +44,11 @@ import torch
 
 from gem_parallel.compile import compile_cache_dir, compile_counters, compile_layers
 from gem_train.config import SHIPPED_CONFIGS, TrainConfig, load_config
-from gem_train.distributed import init_distributed
-from gem_train.mfu import MFU_BASIS, device_peak_flops, measure_gemm_ceiling
-from gem_train.prefetch import DevicePrefetcher
-from gem_train.run import StepPipeline, build_run, build_source
+from gem_train.loop.build import build_run, build_source
+from gem_train.loop.distributed import init_distributed
+from gem_train.loop.mfu import MFU_BASIS, device_peak_flops, measure_gemm_ceiling
+from gem_train.loop.prefetch import DevicePrefetcher
+from gem_train.loop.step import StepPipeline
 
 ALIASES = {"tiny": "tiny-cpu"}
 

@@ -5,7 +5,7 @@ import pytest
 
 from gem_train.config import MovieLensConfig, load_config
 from gem_train.data.movielens import MovieLens100K, read_movielens_100k
-from gem_train.gbdt import batch_features, feature_names, fit_train_stats, run_gbdt
+from gem_train.evaluation.baselines.gbdt import batch_features, feature_names, fit_train_stats, run_gbdt
 
 pytest.importorskip("sklearn")
 
@@ -104,7 +104,7 @@ def test_run_gbdt_chooses_its_trees_on_validation_and_reports_the_test_split(tmp
             "data.eval_batch_size=256",
         ],
     )  # fmt: skip
-    from gem_train.run import build_source
+    from gem_train.loop.build import build_source
 
     res = run_gbdt(cfg, build_source(cfg), grid=((0.1, 15, 20, 1.0),), max_iter=15, max_train_batches=8)
     for task in cfg_tasks(res):

@@ -7,7 +7,7 @@ import gem_precision
 from gem_model import multitask_loss
 from gem_train.config import ConfigError, load_config
 from gem_train.data.synthetic import SyntheticAds
-from gem_train.model_factory import build_gem_config, build_model
+from gem_train.loop.model import build_gem_config, build_model
 
 SMALL = ["data.synthetic.max_len=8", "data.synthetic.num_users=200", "data.synthetic.num_items=100"]
 
@@ -54,8 +54,8 @@ def test_same_seed_same_weights_and_baseline_runs():
 
 
 def test_precision_recipe_converts_linears_and_keeps_parameter_names():
-    from gem_train.distributed import DistInfo
-    from gem_train.run import build_model_for
+    from gem_train.loop.build import build_model_for
+    from gem_train.loop.distributed import DistInfo
 
     cfg, ds = _setup("precision.recipe=mxfp8", "precision.min_features=16")
     plain = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0).model

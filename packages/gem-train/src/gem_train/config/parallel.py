@@ -5,7 +5,7 @@ With one process the degrees and the table strategy do not apply. Under ``torchr
 gem-parallel's sparse sharding is installed, 1D sharded embedding tables (``strategy = "auto"``).
 
 The options and their choices are gem-parallel's (``gem_parallel.config``: the same ``Literal`` types,
-checked by ``gem_parallel.ParallelConfig`` itself); :mod:`gem_train.parallel` turns the section into
+checked by ``gem_parallel.ParallelConfig`` itself); :mod:`gem_train.loop.parallel` turns the section into
 gem-parallel's typed config. The degrees are checked by ``gem_parallel.ParallelDims``: here for the smallest
 world they fit, and against the real world size when a multi-process run starts.
 """

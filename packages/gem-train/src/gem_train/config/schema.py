@@ -6,7 +6,7 @@ key; types are checked when the TOML is read (:mod:`gem_train.config.typed`). Th
 
 The ``[model]`` section names a gem-model config (``gem_model.get_config(name)``) and may override its fields
 in ``[model.overrides]``; those are checked against ``GemConfig`` when the model is built
-(:func:`gem_train.model_factory.build_gem_config`), because the field set belongs to gem-model.
+(:func:`gem_train.loop.model.build_gem_config`), because the field set belongs to gem-model.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class ModelSection:
 
     def validate(self, key: str = "model") -> None:
         # The name and the overrides belong to gem-model: checked against it when the run is built
-        # (gem_train.model_factory.build_gem_config), still before the run directory exists.
+        # (gem_train.loop.model.build_gem_config), still before the run directory exists.
         if not self.name:
             raise ConfigError(f"{key}.name must name a gem-model config (e.g. 'tiny'), got ''")
         self.baseline.validate(f"{key}.baseline")
@@ -152,7 +152,7 @@ class TrainerConfig:
     autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     nan_policy: Literal["stop", "skip"] = "stop"
     max_skipped_batches: int = 10  # with nan_policy="skip": stop after this many non-finite losses
-    peak_flops: float = 0.0  # MFU denominator; 0: look the device up in gem_train.mfu.PEAK_FLOPS
+    peak_flops: float = 0.0  # MFU denominator; 0: look the device up in gem_train.loop.mfu.PEAK_FLOPS
     progress_bar: bool = True
     compile: bool = False  # torch.compile the model
     # Read a step's loss after queueing the next one (no host sync between two steps) where the optimizers

@@ -33,7 +33,7 @@ from gem_model import FeatureSpec, GemBatch, JaggedSequence, SequenceFeature, Sp
 from gem_train.config import SyntheticConfig
 from gem_train.data.loader import LoadedBatch
 from gem_train.data.split import HELD_OUT, Split, check_split
-from gem_train.metrics import ground_truth_ne  # re-exported: the floor of this dataset's NE
+from gem_train.evaluation.metrics import ground_truth_ne  # re-exported: the floor of this dataset's NE
 
 __all__ = ["SyntheticAds", "SyntheticBatch", "expected_sigmoid", "ground_truth_ne", "history_signals"]
 

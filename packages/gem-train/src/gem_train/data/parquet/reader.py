@@ -40,8 +40,8 @@ import pyarrow.parquet as pq
 from torch.utils.data import IterableDataset, get_worker_info
 
 from gem_model import FeatureSpec
+from gem_train.config.parquet import ParquetConfig
 from gem_train.data.loader import BatchStream, LoadedBatch
-from gem_train.data.parquet.config import ParquetConfig
 from gem_train.data.parquet.convert import Block, Converter, Provenance
 from gem_train.data.parquet.errors import ParquetDataError, where
 from gem_train.data.parquet.schema import SPLITS, ParquetLayout, SplitFiles, resolve_root, split_files
