@@ -28,6 +28,7 @@ from gem_train.loop.optim import lr_factor, set_lr
 
 if TYPE_CHECKING:
     from gem_train.loop.build import Prepared
+    from gem_train.loop.schedule import Schedule
 
 __all__ = ["BuiltRun", "PendingStep", "StepDone", "StepPipeline", "StepResult", "skips_on_device"]
 
@@ -120,7 +121,8 @@ def skips_on_device(opt: torch.optim.Optimizer) -> bool:
 
 @dataclass
 class BuiltRun:
-    """What :func:`gem_train.loop.build.build_run` made; see the module docstring."""
+    """What :func:`gem_train.loop.build.build_run` made; see the module docstring. ``cfg`` is the run's
+    config with the schedule resolved (:func:`gem_train.loop.schedule.scheduled_config`)."""
 
     cfg: TrainConfig
     dist: DistInfo
@@ -130,6 +132,8 @@ class BuiltRun:
     dense_params: list[nn.Parameter]
     autocast_dtype: torch.dtype | None
     peak_flops: float | None
+    # How long the run trains and when it validates; ``cfg.train`` holds the same resolved values.
+    schedule: Schedule | None = None
 
     @property
     def built(self) -> BuiltModel:
