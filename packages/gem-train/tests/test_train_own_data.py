@@ -123,7 +123,8 @@ def test_schedule_epochs_auto_validation_and_its_errors():
     assert s.steps == 19  # ceil(2.5 x 15 batches / 2 ranks)
     assert s.describe() == "19 steps = 2.43 passes over 1,000 training rows (64 per step x 2 ranks)"
     cfg = load_config("movielens-parquet", ["train.steps=95", "train.valid_every=auto"])
-    assert resolve_schedule(cfg, _Rows(1000), 1).valid_every == 10  # ceil(95 / 10): about 10 validations
+    assert resolve_schedule(cfg, _Rows(100_000), 1).valid_every == 10  # ceil(95 / 10): ~10 validations
+    assert resolve_schedule(cfg, _Rows(1000), 1).valid_every == 3  # and at least once per pass (3 batches)
     cfg.train.valid_every = 0
     s = resolve_schedule(cfg, _Rows(1000), 1)
     assert s.valid_every == 95 and s.describe_validation().startswith("validation at the last step")

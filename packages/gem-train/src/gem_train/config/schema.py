@@ -145,8 +145,9 @@ class TrainerConfig:
     eval_batches: int = 0  # 0: the whole evaluation (test) split
     # Model selection: evaluate the validation split every valid_every steps and at the last step, keep the
     # checkpoint of the lowest validation NE in checkpoints/best, and report its test metrics at the end.
-    # "auto": about 10 validations per run (every ceil(steps / 10) steps); 0: only at the last step. Every
-    # dataset has a validation split by default; with none (its size set to 0) no selection happens.
+    # "auto": about 10 validations per run (every ceil(steps / 10) steps), and at least one per pass over
+    # a finite training set; 0: only at the last step. Every dataset has a validation split by default;
+    # with none (its size set to 0) no selection happens.
     valid_every: int | Literal["auto"] = "auto"
     valid_batches: int = 0  # 0: the whole validation split
     select_task: str = "ctr"  # the task whose validation NE selects; "mean": the mean NE over all tasks

@@ -6,8 +6,10 @@
   ``data.movielens.valid_fraction``, ``data.parquet.valid`` files or else ``data.parquet.valid_fraction`` of
   the training rows by time). Set to 0 there is none: a warning says that no model selection happens.
 - ``train.valid_every``: ``"auto"`` validates about :data:`VALIDATIONS_PER_RUN` times per run (every
-  ``ceil(steps / 10)`` steps), ``N`` every ``N`` steps, ``0`` only at the end; every run with a validation
-  split validates at its last step, so ``checkpoints/best`` always exists after it.
+  ``ceil(steps / 10)`` steps), and at least once per pass over a finite training set (every
+  ``batches per pass / ranks`` steps when that is sooner: a small table overfits within a few passes, and
+  early stopping counts validations); ``N`` every ``N`` steps, ``0`` only at the end. Every run with a
+  validation split validates at its last step, so ``checkpoints/best`` always exists after it.
 
 :func:`resolve_schedule` makes the :class:`Schedule`; :func:`scheduled_config` the config the loop runs by,
 whose ``train.steps``, ``train.valid_every`` (an int: ``0`` now means no validation, ``steps`` only at the
@@ -167,6 +169,8 @@ def resolve_schedule(cfg: TrainConfig, source: Any, world_size: int) -> Schedule
         every = 0
     elif t.valid_every == "auto":
         every = max(1, math.ceil(steps / VALIDATIONS_PER_RUN))
+        if rows is not None:  # at least once per pass over the training data
+            every = min(every, max(1, source.num_batches("train", b) // world_size))
     else:
         every = int(t.valid_every) or steps  # 0: only at the last step
     patience = t.early_stop_patience if every else 0
