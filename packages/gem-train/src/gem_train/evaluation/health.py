@@ -183,6 +183,8 @@ class TrainingHealth:
             p = self.schedule.early_stop_patience
             if will_stop:
                 then = "early stopping ends the run here"
+            elif step >= self.schedule.steps:
+                then = "this is the run's last step"
             elif p:
                 left = p - since_best
                 then = (
@@ -224,8 +226,8 @@ class TrainingHealth:
             )
         elif self.schedule.early_stop_patience:
             why = (
-                f"it ran to the last step ({step}) because no {self.schedule.early_stop_patience} "
-                "validations in a row went without a new best"
+                f"it ran to its last step ({step}) before {self.schedule.early_stop_patience} validations "
+                "in a row went without a new best (train.early_stop_patience)"
             )
         else:
             why = f"it ran to the last step ({step}): early stopping is off (train.early_stop_patience = 0)"
