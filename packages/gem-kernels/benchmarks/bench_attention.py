@@ -11,7 +11,7 @@ forward with the time to move Q, K, V and O once at the measured copy rate.
     export PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':')
     python packages/gem-kernels/benchmarks/bench_attention.py [--cases cross,pma] [--json out.json]
     # several implementations on the same inputs in one run (rows "case@variant"; baselines once per case):
-    python packages/gem-kernels/benchmarks/bench_attention.py --variants auto,persistent,tma,tma_ws
+    python packages/gem-kernels/benchmarks/bench_attention.py --variants auto,tiled,onetile,onetile_split,tma
 """
 
 from __future__ import annotations
@@ -436,7 +436,7 @@ def main() -> None:
     ap.add_argument(
         "--variant",
         default="auto",
-        help="tiled | onetile | auto (time both per bucket) | persistent | tma | tma_ws",
+        help="tiled | onetile | onetile_split | auto (time those that apply per bucket) | tma",
     )
     ap.add_argument(
         "--variants", default=None, help="comma-separated variants, each timed on the same inputs"

@@ -10,15 +10,13 @@ compiles the tiled kernels' fp32 candidates (exact products: FMA dots) and print
 (``few_q``, 32 queries), whole-stream and split, and the split's partial-sum kernel, at their autotune
 candidates, and adds ptxas's registers and spills per thread (``ptxas -v``, also with ``--regs`` for the
 other modes).
-``single_pass`` compiles the single-pass backward (dK/dV with atomic dQ) beside the dK/dV kernel at the
-general class's candidates, with registers and spills.
 ``--ptx-dir DIR`` writes each kernel's PTX there without its debug information (``.loc``/``.file`` lines,
 ``$L__tmp`` labels, the DWARF sections: they follow the source lines), so that a refactoring of the
 kernels' Triton source can be shown to leave the generated code unchanged (``diff -r BEFORE AFTER``).
 
     export PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':')
     python packages/gem-kernels/benchmarks/compile_sm90.py [fwd dq dkdv tiled fp32] [--warps N] \\
-        [--ptx-dir DIR] [--regs] [onetile] [single_pass]
+        [--ptx-dir DIR] [--regs] [onetile]
 """
 
 from __future__ import annotations
@@ -87,7 +85,7 @@ def report(
     fp32_args: frozenset[str] = frozenset(),
 ) -> None:
     """Compile ``fn`` for sm_90 and print what the compiler made of it; ``fp32``: every bf16 pointer fp32,
-    ``fp32_args``: only those (e.g. the single-pass backward's fp32 dQ accumulator)."""
+    ``fp32_args``: only those."""
     t0 = time.time()
     sig = signature(fn, consts)
     if fp32:
@@ -161,23 +159,6 @@ def report_onetile(base: dict[str, Any]) -> None:
         )
 
 
-def report_single_pass(base: dict[str, Any]) -> None:
-    """The dK/dV kernel and the single-pass backward (dK/dV with atomic dQ) at their general-class
-    candidates (BLOCK_M queries streamed x BLOCK_N keys resident), softmax and silu; then softmax's delta
-    pass."""
-    from gem_kernels.triton_kernels import attention_bwd_single as triton_single
-
-    for kname, fn in (("dkdv", triton_bwd.dkdv_kernel), ("single_pass", triton_single.single_pass_kernel)):
-        fp32_args = frozenset({"DQ"}) if kname == "single_pass" else frozenset()  # its dQ accumulator
-        for bm, bn, w, st in triton_attention._CANDIDATES[kname]["general"]:
-            for act in (0, 1):
-                consts = dict(base, ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST_ACT=act == 1)
-                report(f"{kname} {bm}x{bn} w{w} s{st} act={act}", fn, consts, num_warps=w, num_stages=st,
-                       regs=True, fp32_args=fp32_args)  # fmt: skip
-    report("delta BLOCK_M=64 w4", triton_single.delta_kernel, dict(DV=128, BLOCK_M=64, BLOCK_DV=128),
-           num_warps=4, regs=True)  # fmt: skip
-
-
 def main() -> None:
     persistent = {
         "fwd": (triton_persistent.fwd_persistent_kernel, 128, 64),
@@ -209,16 +190,11 @@ def main() -> None:
         if name == "onetile":
             report_onetile(base)
             continue
-        if name == "single_pass":
-            report_single_pass(base)
-            continue
         if name == "fp32":
             from gem_kernels.triton_kernels.attention import _CANDIDATES_FP32
 
             seen = set()
             for kname, classes in _CANDIDATES_FP32.items():
-                if kname not in tiled:  # the single-pass backward: `single_pass` mode
-                    continue
                 for cls, cands in classes.items():
                     for bm, bn, w, st in cands:
                         w = warps or w
@@ -237,13 +213,7 @@ def main() -> None:
                     report(f"tiled {kname} act={act}", fn, consts)
             continue
         fn, bm, bn = persistent[name]
-        for act, tma, ws in [
-            (0, False, False),
-            (0, True, False),
-            (1, False, False),
-            (1, True, False),
-            (1, True, True),
-        ]:
+        for act, tma, ws in [(0, False, False), (0, True, False), (1, False, False), (1, True, False)]:
             consts = dict(base, ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST_ACT=act == 1, USE_TMA=tma, WS=ws)
             report(f"persistent {name} act={act} tma={tma} ws={ws}", fn, consts)
 

@@ -27,7 +27,7 @@ PMA_Q, PMA_KV = [4, 1, 7, 0], [70, 35, 0, 12]
 def cases():
     """(name, variant, act, q lengths, kv lengths or None, causal, window, dtype, d, dv, blocks, strided)."""
     out = []
-    for variant in ("persistent", "tma"):
+    for variant in ("tma",):
         for act in ("softmax", "silu"):
             for mname, causal, window in (("none", False, None), ("causal", True, None)):
                 out.append(
@@ -81,7 +81,7 @@ def cases():
         out.append(
             (f"{variant}-pma-silu", variant, "silu", PMA_Q, PMA_KV, False, None, F32, 16, 16, (32, 32), False)
         )
-    # Asymmetric tiles, a causal window, fp16, and the WS variant (the interpreter ignores WS).
+    # Asymmetric tiles, a causal window, fp16.
     out += [
         (
             "tma-blocks16x32-softmax-causal_window",
@@ -125,20 +125,6 @@ def cases():
             (32, 32),
             False,
         ),
-        (
-            "tma_ws-self-silu-causal",
-            "tma_ws",
-            "silu",
-            SELF_LENGTHS,
-            None,
-            True,
-            None,
-            F32,
-            16,
-            16,
-            (32, 32),
-            False,
-        ),
         # Layouts TMA cannot address (head dims not powers of two; strided heads): pointer loads instead.
         (
             "tma-dims24x8-softmax-causal",
@@ -172,10 +158,10 @@ def cases():
     return out
 
 
-# One case per path and shape class: pointer and TMA kernels, causal self-attention, cross, PMA, fp16, and
-# a layout that falls back to pointer loads.
+# One case per path and shape class: TMA kernels on causal self-attention, cross, PMA and fp16, and a
+# layout that falls back to pointer loads.
 QUICK = (
-    "persistent-self-softmax-causal",
+    "tma-self-softmax-causal",
     "tma-self-silu-none",
     "tma-cross-softmax",
     "tma-pma-silu",

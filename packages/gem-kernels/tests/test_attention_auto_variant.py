@@ -10,10 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from gem_kernels.triton_kernels import attention as ta
-from gem_kernels.triton_kernels.attention_persistent_launch import (
-    _consts,
-    warp_specialization_supported,
-)
+from gem_kernels.triton_kernels.attention_persistent_launch import _consts
 
 H100 = (9, 0)
 BF16 = torch.bfloat16
@@ -45,30 +42,26 @@ def test_auto_resolves_to_itself_on_the_cpu_and_forced_variants_win():
     q = torch.zeros(8, 2, 16, dtype=BF16)
     buckets = (1, 8, 8, 0)
     assert ta._resolved_variant("fwd", q, buckets, q, q, q) == ta.DEFAULT_VARIANT
-    with ta.force_variant("persistent"):
-        assert ta._resolved_variant("fwd", q, buckets, q, q, q) == "persistent"
+    with ta.force_variant("tma"):
+        assert ta._resolved_variant("fwd", q, buckets, q, q, q) == "tma"
     with ta.force_variant("tiled"):
         assert ta._resolved_variant("bwd", q, buckets, q, q, q) == "tiled"
 
 
-def test_warp_specialization_only_where_supported(monkeypatch):
-    """``tma_ws`` asks for warp specialization only on sm_100+ (Triton 3.6 aborts on sm_90)."""
+def test_tma_loads_where_the_layout_allows_and_never_warp_specializes(monkeypatch):
+    """``tma`` loads through descriptors where :func:`tma_supported` holds, else through pointers; the
+    kernels' warp-specialization flag stays off (its variant, ``tma_ws``, was removed)."""
     import gem_kernels.triton_kernels.attention_persistent_launch as tp
 
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(tp, "triton_interpreted", lambda: False)
-    for cap, expected in [((9, 0), False), ((10, 0), True), ((8, 0), False)]:
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
-        assert warp_specialization_supported(cuda) is expected
-    assert warp_specialization_supported(torch.device("cpu")) is False
-    monkeypatch.setattr(tp, "tma_supported", lambda *t: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     x = torch.zeros(4, 2, 16)
-    monkeypatch.setattr(tp, "warp_specialization_supported", lambda device: False)
-    assert _consts({}, "tma_ws", x) == {"USE_TMA": True, "WS": False}
-    monkeypatch.setattr(tp, "warp_specialization_supported", lambda device: True)
-    assert _consts({}, "tma_ws", x) == {"USE_TMA": True, "WS": True}
+    monkeypatch.setattr(tp, "tma_supported", lambda *t: True)
     assert _consts({}, "tma", x) == {"USE_TMA": True, "WS": False}
+    monkeypatch.setattr(tp, "tma_supported", lambda *t: False)
+    assert _consts({}, "tma", x) == {"USE_TMA": False, "WS": False}
+    for removed in ("persistent", "tma_ws", "single_pass"):
+        assert removed not in ta.VARIANTS
+        with pytest.raises(ValueError):
+            ta.force_variant(removed).__enter__()
 
 
 def test_persistent_autotuners_time_the_first_candidates_and_persist(monkeypatch):

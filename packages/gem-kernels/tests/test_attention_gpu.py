@@ -1,9 +1,9 @@
 """The attention Triton kernels on CUDA in bf16/fp16 against the fp32 reference (skipped without a GPU).
 
 Blocks are fixed at 64x64 (the short side of a one-tile kernel at its bucket) and the implementation is
-forced ("tiled" general kernels, "onetile" where it applies, "onetile_split" with chunks of
-``SPLIT_CHUNK_ROWS`` so that long sequences span several, or "single_pass", the backward with atomic dQ):
-one compile per case instead of an autotuning sweep. The autotuned configurations are checked at the
+forced ("tiled" general kernels, "onetile" where it applies, or "onetile_split" with chunks of
+``SPLIT_CHUNK_ROWS`` so that long sequences span several): one compile per case instead of an autotuning
+sweep. The autotuned configurations are checked at the
 benchmark shapes by ``benchmarks/bench_attention.py``.
 """
 
@@ -75,10 +75,7 @@ ONETILE_CASES = [
     + [("onetile_split", torch.float16, *ONETILE_CASES[0])]
     # Strided inputs (padded rows and heads), read in place by every implementation.
     + [("strided-tiled", torch.bfloat16, *CASES[0]), ("strided-onetile", torch.bfloat16, *ONETILE_CASES[3])]
-    + [("strided-onetile_split", torch.bfloat16, *ONETILE_CASES[3])]
-    # The single-pass backward (dK/dV with atomic fp32 dQ) on every shape class and mask.
-    + [("single_pass", torch.bfloat16, *c) for c in CASES]
-    + [("single_pass", torch.float16, *CASES[0]), ("strided-single_pass", torch.bfloat16, *CASES[4])],
+    + [("strided-onetile_split", torch.bfloat16, *ONETILE_CASES[3])],
 )
 def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, window, d):
     torch.manual_seed(0)

@@ -14,9 +14,8 @@ sums the chunks' fp32 partials of the short side's gradient). ``GEM_KERNELS_ATTE
 forward), or ``auto`` (the default): on CUDA the first call of each bucket times every implementation that
 applies (each autotuned) and keeps the fastest, like an autotuner over kernels.
 On Hopper, ``auto`` also runs the general shape class on the persistent TMA kernels
-(:mod:`.attention_persistent_launch`) where they measured faster: see :func:`auto_persistent_variant`.
-``single_pass`` (forced only) runs the backward as one kernel per key tile with atomic dQ
-(:mod:`.attention_bwd_single`).
+(:mod:`.attention_persistent_launch`) where they measured faster: see :func:`auto_persistent_variant`;
+``tma`` forces them for every shape class.
 
 Both kinds of choice persist across processes (:mod:`gem_kernels.tune_cache`: ``~/.cache/gem/kernels``,
 ``GEM_KERNELS_CACHE``), and only a few candidates per shape and dtype class are compiled at all
@@ -44,7 +43,6 @@ from gem_kernels import tune_cache
 from gem_kernels.dispatch import triton_interpreted
 from gem_kernels.torch_ops.activations import ACTIVATION_IDS
 from gem_kernels.triton_kernels.attention_bwd import dkdv_kernel, dq_kernel
-from gem_kernels.triton_kernels.attention_bwd_single import delta_kernel, single_pass_kernel
 from gem_kernels.triton_kernels.attention_fwd import fwd_kernel
 from gem_kernels.triton_kernels.attention_onetile import (
     bwd_few_q_kernel,
@@ -78,14 +76,11 @@ _forced_chunk: int | None = None
 # back once) and the short side's reloads per extra chunk add 0.38 GB to cross's 3.41 GB least backward
 # traffic (+11%; +7% of fwd+bwd) and 0.24 GB to PMA's 5.99 (+4%; +3%); chunks of 512 would add 26% and 9%.
 SPLIT_CHUNK = {"short_kv": 1024, "few_q": 1024}
-# "persistent", "tma", "tma_ws": the persistent-grid kernels (:mod:`.attention_persistent_launch`), forced;
-# "auto" takes "tma" where :func:`auto_persistent_variant` says it wins.
-PERSISTENT_VARIANTS = ("persistent", "tma", "tma_ws")
-# "single_pass": the backward of every shape class as one dK/dV/dQ kernel with atomic dQ
-# (:mod:`.attention_bwd_single`), forced only: on an H100 (2026-12-05, B=64 log-normal <= 4096, H=4, D=128,
-# causal) its backward took 4.30 ms (softmax) and 4.17 ms (silu) against 2.15 and 1.94 for ``auto``'s two
-# kernels, so ``auto`` does not time it; the forward is as ``auto``'s.
-VARIANTS = ("tiled", "onetile", "onetile_split", "auto", *PERSISTENT_VARIANTS, "single_pass")
+# "tma": the persistent-grid kernels with TMA loads (:mod:`.attention_persistent_launch`); "auto" takes it
+# where :func:`auto_persistent_variant` says it wins. (The variants auto never picked, "single_pass",
+# "persistent" and "tma_ws", were removed: BENCHMARKS.md, "Removed variants".)
+PERSISTENT_VARIANTS = ("tma",)
+VARIANTS = ("tiled", "onetile", "onetile_split", "auto", *PERSISTENT_VARIANTS)
 # "auto": where a one-tile kernel applies, time it (and the split backward) against the tiled kernels once
 # per bucket and keep the fastest (on the H200 the one-tile kernels won the cross forward and backward and
 # the PMA backward; the split backward is not timed yet).
@@ -123,11 +118,8 @@ def auto_persistent_variant(
 def _resolved_variant(
     direction: str, q: torch.Tensor, buckets: tuple[int, int, int, int], *tensors: torch.Tensor
 ) -> str:
-    """The forced or default variant, with ``auto`` turned into a persistent one where it wins
-    (``single_pass`` forwards run as ``auto``'s)."""
+    """The forced or default variant, with ``auto`` turned into a persistent one where it wins."""
     variant = _forced_variant or DEFAULT_VARIANT
-    if variant == "single_pass" and direction == "fwd":
-        variant = "auto"
     if variant != "auto" or triton_interpreted() or q.device.type != "cuda":
         return variant
     from gem_kernels.triton_kernels.attention_persistent_launch import tma_supported
@@ -182,9 +174,8 @@ def _fixed_blocks() -> bool:
 @contextlib.contextmanager
 def force_variant(name: str) -> Iterator[None]:
     """Use ``"tiled"`` (the general kernels), ``"onetile"`` where it applies, ``"onetile_split"`` (the same,
-    with the split backward), ``"auto"`` (time those that apply), a persistent variant (``"persistent"``,
-    ``"tma"``, ``"tma_ws"``: every shape class), or ``"single_pass"`` (the backward of every shape class as
-    one kernel with atomic dQ, the forward as ``auto``'s)."""
+    with the split backward), ``"auto"`` (time those that apply), or ``"tma"`` (the persistent TMA kernels,
+    every shape class)."""
     global _forced_variant
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}")
@@ -222,12 +213,6 @@ _CANDIDATES = {
         "few_q": [(32, 64, 4, 3), (32, 128, 4, 3)],
     },
 }
-# The single-pass backward (forced only; 2x slower than two kernels on an H100): the dK/dV kernel's tiling
-# plus a transient [BM, D] fp32 dQ share per tile pair. Offline sm_90 (compile_sm90.py single_pass, bf16
-# D=128): 64 keys x 64 queries with 8 warps is the one tile that does not spill (165 KB of shared memory); the
-# dK/dV kernel's 64 queries x 128 keys spills 164-272 B (197 KB) and 4-warp tiles spill 0.2-6.5 KB. Other
-# classes: dK/dV's candidates.
-_CANDIDATES["single_pass"] = {**_CANDIDATES["dkdv"], "general": [(64, 64, 8, 3), (64, 128, 8, 3)]}
 # fp32 inputs: twice the bytes per tile and, with exact products, FMA dots whose unrolled code grows with
 # BLOCK_M * BLOCK_N / threads (a 128x128 fp32 tile took minutes to compile, or failed for shared memory
 # after compiling). Small tiles, two stages, 8 warps (half the FMAs per thread of 4: the general class's
@@ -250,7 +235,6 @@ _CANDIDATES_FP32 = {
         "few_q": [(32, 64, 8, 2), (16, 64, 8, 2)],
     },
 }
-_CANDIDATES_FP32["single_pass"] = _CANDIDATES_FP32["dkdv"]
 
 
 def shape_class(bucket_q: int, bucket_kv: int) -> str:
@@ -276,7 +260,7 @@ def smem_bytes(kernel: str, bm: int, bn: int, stages: int, block_d: int, block_d
     Q and dO streamed)."""
     row = (block_d + block_dv) * elsize
     resident, streamed = {"fwd": (bm * block_d * elsize, bn * row), "dq": (bm * row, bn * row),
-                          "dkdv": (bn * row, bm * row), "single_pass": (bn * row, bm * row)}[kernel]
+                          "dkdv": (bn * row, bm * row)}[kernel]
     return resident + stages * streamed
 
 
@@ -328,10 +312,6 @@ def _tuned(kernel: str, fn: Any) -> Any:
 _fwd_tuned = _tuned("fwd", fwd_kernel)
 _dq_tuned = _tuned("dq", dq_kernel)
 _dkdv_tuned = _tuned("dkdv", dkdv_kernel)
-# Each timed run of the single-pass kernel adds into dQ, so the autotuner zeroes it before each one and
-# before the real launch.
-_single_pass_tuned = tune_cache.autotune("single_pass", single_pass_kernel, _configs("single_pass"), _KEY,
-                                         prune=_pruner("single_pass"), reset_to_zero=["DQ"])
 _fast_act_ok = True  # cleared if the hardware-tanh activations fail to compile on this GPU/Triton
 
 
@@ -550,10 +530,6 @@ def attention_bwd(
                          left, right, qk_scale, out_scale, buckets, consts, variant, _forced)
         return dq, dk, dv
     strides = _strides(q, k, v, out)
-    if variant == "single_pass":
-        _single_pass_bwd(dout, q, k, v, out, lse, dq, dk, dv, q_offsets, kv_offsets, max_q_len, max_kv_len,
-                         strides, left, right, qk_scale, out_scale, buckets, consts)
-        return dq, dk, dv
 
     def tiled() -> None:
         delta = torch.empty_like(lse)
@@ -596,31 +572,6 @@ def attention_bwd(
             [dq_kernel, dkdv_kernel, fused, fused_split, sum_chunk_partials_kernel], q.device, tiled, onetile,
             split)
     return dq, dk, dv
-
-
-def _single_pass_bwd(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, strides: tuple[int, ...], left: int,
-    right: int, qk_scale: float, out_scale: float, buckets: tuple[int, int, int, int], consts: Consts,
-) -> None:
-    """The single-pass backward into ``dq``, ``dk``, ``dv``: softmax's ``delta`` pass, then one kernel per
-    key tile (:mod:`.attention_bwd_single`) adding dQ into an fp32 accumulator, then dQ rounded to its
-    dtype. Self-contained (its own zeroed accumulator), so it can be timed by repeating it."""
-    batch, heads = q_offsets.numel() - 1, q.shape[1]
-    delta = torch.empty_like(lse)
-    if consts["ACT"] == 0 and q.shape[0] > 0:
-        block_m = 64
-        delta_kernel[(batch * heads, triton.cdiv(max_q_len, block_m))](
-            out, dout, lse, delta, q_offsets, out.stride(0), out.stride(1), heads, DV=consts["DV"],
-            BLOCK_M=block_m, BLOCK_DV=consts["BLOCK_DV"], num_warps=4)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    if k.shape[0] > 0:
-        args = (q, k, v, dout, dq_acc, dk, dv, lse, delta, q_offsets, kv_offsets, *strides, heads, left,
-                right, qk_scale, out_scale, *buckets)
-        _launch(_single_pass_tuned, single_pass_kernel,
-                lambda bm, bn: (batch * heads, triton.cdiv(max_kv_len, bn)), args, consts)
-    dq.copy_(dq_acc)
 
 
 def split_schedule(

@@ -1,13 +1,12 @@
 """Launchers of the persistent jagged attention kernels (:mod:`.attention_persistent`).
 
-Variants (picked with ``GEM_KERNELS_ATTENTION_VARIANT`` or ``triton_attention.force_variant``; the
-``auto`` default takes ``tma`` where :func:`.attention.auto_persistent_variant` says so):
-``persistent`` (pointer loads), ``tma`` (TMA descriptor loads where the device and layout allow, else the
-pointer loads), ``tma_ws`` (``tma`` plus automatic warp specialization of the inner loops, on compute
-capability >= 10 only: Triton 3.6's warp-specialization pass aborts on these kernels for sm_90, and 3.7
-makes no partition there, so on Hopper ``tma_ws`` runs as ``tma``). TMA needs compute capability >= 9 (or
+The one variant, ``tma`` (picked with ``GEM_KERNELS_ATTENTION_VARIANT`` or ``triton_attention.force_variant``;
+the ``auto`` default takes it where :func:`.attention.auto_persistent_variant` says so), loads through TMA
+descriptors where the device and layout allow, else through pointers. TMA needs compute capability >= 9 (or
 the interpreter, which emulates descriptors), head dims that are powers of two (>= 16), heads packed in
-rows (``stride(1) == D``) and 16-byte aligned rows.
+rows (``stride(1) == D``) and 16-byte aligned rows. The kernels' ``WS`` flag (automatic warp
+specialization of the inner loops) is always off: its variant, ``tma_ws``, built no partition on sm_90 and
+was removed (BENCHMARKS.md, "Removed variants").
 
 Each kernel's outer tile is fixed (128 rows; the schedule depends on it, so it cannot be autotuned with
 the rest): the autotuner picks the inner tile, warps and stages, from the first
@@ -39,7 +38,7 @@ from gem_kernels.triton_kernels.attention_persistent import (
 from gem_kernels.triton_kernels.attention_schedule import cached_schedule
 
 Consts = dict[str, Any]
-VARIANTS = ("persistent", "tma", "tma_ws")
+VARIANTS = ("tma",)
 PROGRAMS_PER_SM = int(os.environ.get("GEM_KERNELS_PERSISTENT_PROGRAMS_PER_SM", "2"))
 OUTER_BLOCK = 128  # query tile of the forward and dQ kernels, key tile of the dK/dV kernel
 INTERPRETER_PROGRAMS = 3  # a few programs, each looping over several items, under TRITON_INTERPRET
@@ -133,22 +132,10 @@ def _run(name: str, tuned: Any, raw: Any, outer: torch.Tensor, inner: torch.Tens
         raw[grid](*args, BLOCK_M=blocks[0], BLOCK_N=blocks[1], **consts)
 
 
-def warp_specialization_supported(device: torch.device) -> bool:
-    """Whether ``tma_ws`` warp-specializes on ``device``: compute capability >= 10 (or the interpreter).
-
-    On sm_90 Triton 3.6's pass aborts on these kernels (H200, 2026-12-04: "UNREACHABLE executed at
-    WarpSpecialization/TaskIdPropagation.cpp") and 3.7 builds no partition, so Hopper runs plain TMA."""
-    if triton_interpreted():
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
-
-
 def _consts(consts: Consts, variant: str, *tensors: torch.Tensor) -> Consts:
     if variant not in VARIANTS:
         raise ValueError(f"persistent variant must be one of {VARIANTS}, got {variant!r}")
-    use_tma = variant != "persistent" and tma_supported(*tensors)
-    ws = variant == "tma_ws" and use_tma and warp_specialization_supported(tensors[0].device)
-    return {**consts, "USE_TMA": use_tma, "WS": ws}
+    return {**consts, "USE_TMA": tma_supported(*tensors), "WS": False}
 
 
 def attention_fwd(
