@@ -62,13 +62,15 @@ def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
 
 
 def _targets(node: ast.Import | ast.ImportFrom, modules: set[str]) -> set[str]:
-    """The modules of the package that ``node`` imports (``from p import m`` names module ``p.m``)."""
+    """The modules of the package that ``node`` imports: ``from p import m`` names module ``p.m``, and ``p``
+    itself only when it binds a name defined in ``p`` (a submodule importing its siblings through their
+    package, ``from gem_kernels.attention import cpu``, does not depend on the package's face)."""
     if isinstance(node, ast.Import):
         return {a.name for a in node.names if a.name in modules}
     base = node.module or ""
-    out = {base} if base in modules else set()
-    out |= {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
-    return out
+    subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
+    own_names = len(subs) < len(node.names)
+    return ({base} if base in modules and own_names else set()) | subs
 
 
 def _private(name: str) -> bool:

@@ -6,10 +6,10 @@ Catches compile errors of the Hopper-only paths (TMA descriptors, warp specializ
 the installed Triton may differ from the one on the GPU. bf16, D = Dv = 128, 8 warps, 3 stages. ``fp32``
 compiles the tiled kernels' fp32 candidates (exact products: FMA dots) and prints each one's compile time
 (the first-call cost of an fp32 bucket) and FMA count per thread, with ``--warps N`` to compare warp counts.
-``onetile`` compiles the one-tile backward kernels of cross-attention (``short_kv``, 64 keys) and PMA
-(``few_q``, 32 queries), whole-stream and split, and the split's partial-sum kernel, at their autotune
-candidates, and adds ptxas's registers and spills per thread (``ptxas -v``, also with ``--regs`` for the
-other modes).
+``onetile`` compiles the one-tile kernels of cross-attention (``short_kv``, 64 keys: forward and backward)
+and PMA (``few_q``, 32 queries: backward), whole-stream and split, and the split's partial-sum kernel, at
+their autotune candidates (:mod:`gem_kernels.attention.variants`), and adds ptxas's registers and
+spills per thread (``ptxas -v``, also with ``--regs`` for the other modes).
 ``--ptx-dir DIR`` writes each kernel's PTX there without its debug information (``.loc``/``.file`` lines,
 ``$L__tmp`` labels, the DWARF sections: they follow the source lines), so that a refactoring of the
 kernels' Triton source can be shown to leave the generated code unchanged (``diff -r BEFORE AFTER``).
@@ -32,11 +32,11 @@ from sm90_offline import code_only, usage_line  # this folder (the script's) is 
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from gem_kernels.triton_kernels import attention as triton_attention
-from gem_kernels.triton_kernels import attention_bwd as triton_bwd
-from gem_kernels.triton_kernels import attention_fwd as triton_fwd
-from gem_kernels.triton_kernels import attention_onetile as triton_onetile
-from gem_kernels.triton_kernels import attention_persistent as triton_persistent
+from gem_kernels.attention import variants
+from gem_kernels.attention.triton import bwd as triton_bwd
+from gem_kernels.attention.triton import fwd as triton_fwd
+from gem_kernels.attention.triton import onetile as triton_onetile
+from gem_kernels.attention.triton import persistent as triton_persistent
 
 _BF16 = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV_", "X"}
 _FP32 = {"LSE", "DELTA", "DK_part", "DV_part", "DQ_part", "Part"}
@@ -117,11 +117,19 @@ def report(
 
 
 def report_onetile(base: dict[str, Any]) -> None:
-    """The one-tile backward kernels, whole-stream and split, at their autotune candidates (attention.py's
-    ``_bwd_*_tuned``: streamed tile, warps, stages), silu (the benchmark's cross/PMA activation, hardware
-    tanh) and softmax; resident tile 64 keys (short_kv) or 32 queries (few_q); then the partial sums."""
-    short_kv, few_q = triton_attention.SHORT_KV_BWD_CANDIDATES, triton_attention.FEW_Q_BWD_CANDIDATES
+    """The one-tile kernels (the short_kv forward; the backward, whole-stream and split) at their autotune
+    candidates (``variants.*_CANDIDATES``: streamed tile, warps, stages), silu (the benchmark's cross/PMA
+    activation, hardware tanh) and softmax; resident tile 64 keys (short_kv) or 32 queries (few_q); then the
+    partial sums."""
+    short_kv, few_q = variants.SHORT_KV_BWD_CANDIDATES, variants.FEW_Q_BWD_CANDIDATES
     kernels = [
+        (
+            "fwd_short_kv",
+            triton_onetile.fwd_short_kv_kernel,
+            "BLOCK_M",
+            {"BLOCK_N": 64},
+            variants.FWD_SHORT_KV_CANDIDATES,
+        ),
         ("bwd_short_kv", triton_onetile.bwd_short_kv_kernel, "BLOCK_M", {"BLOCK_N": 64}, short_kv),
         (
             "bwd_short_kv_split",
@@ -191,10 +199,8 @@ def main() -> None:
             report_onetile(base)
             continue
         if name == "fp32":
-            from gem_kernels.triton_kernels.attention import _CANDIDATES_FP32
-
             seen = set()
-            for kname, classes in _CANDIDATES_FP32.items():
+            for kname, classes in variants.CANDIDATES_FP32.items():
                 for cls, cands in classes.items():
                     for bm, bn, w, st in cands:
                         w = warps or w

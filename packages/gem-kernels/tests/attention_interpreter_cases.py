@@ -11,7 +11,6 @@ of the split one-tile backward, :func:`split_cases`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch
 
 from gem_kernels import gdpa, jagged_flash_attention, use_backend
-from gem_kernels.triton_kernels import attention as triton_attention
+from gem_kernels.attention import testing
 
 ACTS = ("softmax", "silu", "gelu", "relu", "relu2", "identity")
 SELF_MASKS = {
@@ -99,15 +98,9 @@ def run_case(
         for t in leaves:
             t.requires_grad_(True)
         args = [t[..., : x.shape[-1]] for t, x in zip(leaves, (q, k, v))]
-        chunked = triton_attention.force_chunk(chunk) if chunk else contextlib.nullcontext()
-        with use_backend(backend), triton_attention.force_variant(variant), chunked:
-            if blocks_ is not None:
-                with triton_attention.force_blocks(*blocks_):
-                    out = _call(act, *args, qo, ko, mq, mk, causal, window)
-                    out.backward(dout.to(out.dtype))
-            else:
-                out = _call(act, *args, qo, ko, mq, mk, causal, window)
-                out.backward(dout.to(out.dtype))
+        with use_backend(backend), testing.forced(variant=variant, blocks=blocks_, chunk=chunk):
+            out = _call(act, *args, qo, ko, mq, mk, causal, window)
+            out.backward(dout.to(out.dtype))
         return (out, *(t.grad[..., : x.shape[-1]] for t, x in zip(leaves, (q, k, v))))
 
     ref = grads(q64, k64, v64, "reference")

@@ -3,7 +3,7 @@
 Launched in a subprocess by ``test_attention_persistent_interpreter.py``; reuses
 :func:`attention_interpreter_cases.run_case` (errors of the output and the three gradients against the
 fp64 reference, and of the reference run in the case's dtype) and adds which kernel paths ran (TMA
-descriptors or pointer loads), from ``triton_persistent_launch.launches``.
+descriptors or pointer loads), from :func:`gem_kernels.attention.testing.persistent_launches`.
 
 Usage: ``TRITON_INTERPRET=1 python attention_persistent_cases.py [--quick]`` (``--quick``: the cases of
 :data:`QUICK` only, for the fast CI test; the full list runs in the ``slow`` one).
@@ -17,7 +17,7 @@ import sys
 import torch
 from attention_interpreter_cases import SELF_LENGTHS, run_case  # raises SystemExit unless interpreted
 
-from gem_kernels.triton_kernels import attention_persistent_launch as tp
+from gem_kernels.attention import testing
 
 F32, F16 = torch.float32, torch.float16
 CROSS_Q, CROSS_KV = [40, 3, 0, 33], [5, 0, 9, 1]
@@ -176,7 +176,7 @@ def main() -> None:
     for name, variant, act, lq, lk, causal, window, dtype, d, dv, blocks, strided in cases():
         if quick and name not in QUICK:
             continue
-        before = dict(tp.launches)
+        before = testing.persistent_launches()
         r = run_case(
             name,
             act,
@@ -191,8 +191,9 @@ def main() -> None:
             variant=variant,
             strided=strided,
         )
+        after = testing.persistent_launches()
         r["launches"] = {
-            f"{k[0]}:{k[1]}": n - before.get(k, 0) for k, n in tp.launches.items() if n > before.get(k, 0)
+            f"{k[0]}:{k[1]}": n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)
         }
         results.append(r)
     print("JSON:" + json.dumps(results))

@@ -9,8 +9,6 @@ benchmark shapes by ``benchmarks/bench_attention.py``.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -85,7 +83,7 @@ def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, wind
     q, k, v = (torch.randn(sum(n), 4, d, device="cuda").to(dtype) for n in (lq, lk_, lk_))
     dout = torch.randn(sum(lq), 4, d, device="cuda").to(dtype)
 
-    from gem_kernels.triton_kernels.attention import force_blocks, force_chunk, force_variant
+    from gem_kernels.attention import testing
 
     strided = variant.startswith("strided-")
 
@@ -98,13 +96,9 @@ def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, wind
             .requires_grad_(True)
             for t in (q, k, v)
         ]
-        chunked = force_chunk(SPLIT_CHUNK_ROWS) if "split" in variant else contextlib.nullcontext()
-        with (
-            use_backend(backend),
-            force_blocks(64, 64),
-            force_variant(variant.removeprefix("strided-")),
-            chunked,
-        ):
+        chunk = SPLIT_CHUNK_ROWS if "split" in variant else None
+        forced = testing.forced(variant=variant.removeprefix("strided-"), blocks=(64, 64), chunk=chunk)
+        with use_backend(backend), forced:
             out = _run(act, *(t[..., :d] for t in leaves), qo, ko, mq, mk, causal, window)
             out.backward(dout.to(cdtype))
         return [out.detach(), *(t.grad[..., :d] for t in leaves)]

@@ -63,8 +63,7 @@ FIXED = (64, 64)
     + [("auto", torch.bfloat16, None, *CASES[0]), ("auto", torch.bfloat16, None, *CASES[2])],
 )
 def test_persistent_matches_fp32_reference(variant, dtype, blocks, act, lq, lk, causal, window, d):
-    from gem_kernels.triton_kernels import attention_persistent_launch as tp
-    from gem_kernels.triton_kernels.attention import force_blocks, force_variant
+    from gem_kernels.attention import testing
 
     torch.manual_seed(0)
     lk_ = lq if lk is None else lk
@@ -75,21 +74,16 @@ def test_persistent_matches_fp32_reference(variant, dtype, blocks, act, lq, lk, 
 
     def grads(backend, cdtype):
         leaves = [t.detach().to(cdtype).requires_grad_(True) for t in (q, k, v)]
-        with use_backend(backend), force_variant(variant):
-            if blocks is not None:
-                with force_blocks(*blocks):
-                    out = _run(act, *leaves, qo, ko, mq, mk, causal, window)
-                    out.backward(dout.to(cdtype))
-            else:
-                out = _run(act, *leaves, qo, ko, mq, mk, causal, window)
-                out.backward(dout.to(cdtype))
+        with use_backend(backend), testing.forced(variant=variant, blocks=blocks):
+            out = _run(act, *leaves, qo, ko, mq, mk, causal, window)
+            out.backward(dout.to(cdtype))
         return [out.detach(), *(t.grad for t in leaves)]
 
     ref = grads("reference", torch.float32)
     ref_low = grads("reference", dtype)
-    before = dict(tp.launches)
+    before = testing.persistent_launches()
     tri = grads("triton", dtype)
-    ran = {key for key, n in tp.launches.items() if n > before.get(key, 0)}
+    ran = {key for key, n in testing.persistent_launches().items() if n > before.get(key, 0)}
     path = "tma" if torch.cuda.get_device_capability()[0] >= 9 else "pointer"
     expected = {("fwd", path), ("dq", path), ("dkdv", path)}
     if variant == "auto":

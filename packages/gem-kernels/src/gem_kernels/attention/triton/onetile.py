@@ -12,7 +12,7 @@ loop, so every tensor is read once and the loop's loads are pipelined:
   kernel with one query tile per sequence.)
 
 No atomics: a program writes only rows of its own sequence and head. Masks (the band, sequence ends) are
-applied on every tile. Layout and conventions as in :mod:`.attention_common`.
+applied on every tile. Layout and conventions as in :mod:`.common`.
 
 Split backward (``*_split_kernel``): the same two backward kernels with the long side cut into chunks of
 ``chunk`` rows (a whole number of streamed tiles), one program per (chunk, head), so that a long sequence no
@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.triton_kernels.attention_common import (
+from gem_kernels.attention.triton.common import (
     LN2,
     act_and_grad,
     bwd_scales,

@@ -1,7 +1,7 @@
 """Backward Triton kernels of jagged attention: dQ (and delta) first, then dK/dV; no atomics (the dK/dV loop
 also serves the single-pass backward, which adds dQ atomically: :mod:`.attention_bwd_single`).
 
-See :mod:`.attention_common` for the layout and the band. Softmax: ``P = exp(S - lse)``,
+See :mod:`.common` for the layout and the band. Softmax: ``P = exp(S - lse)``,
 ``dS = P * (dO V^T - delta)``. GDPA: ``dS = out_scale * (dO V^T) * act'(S)``. Then ``dQ = qk_scale dS K``,
 ``dK = qk_scale dS^T Q``, ``dV = P^T dO`` (``out_scale * act(S)^T dO`` for GDPA).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.triton_kernels.attention_common import (
+from gem_kernels.attention.triton.common import (
     band_ranges,
     load_rows,
     program_seq_head,
@@ -24,7 +24,7 @@ from gem_kernels.triton_kernels.attention_common import (
     seq_bounds,
     store_rows,
 )
-from gem_kernels.triton_kernels.attention_tile_math import dkdv_tile_grads, dq_tile_ds
+from gem_kernels.attention.triton.tile_math import dkdv_tile_grads, dq_tile_ds
 
 
 @triton.jit

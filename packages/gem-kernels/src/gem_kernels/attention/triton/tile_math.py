@@ -1,5 +1,5 @@
 """The per-tile mathematics of the jagged attention kernels, shared by the tiled kernels
-(:mod:`.attention_fwd`, :mod:`.attention_bwd`) and the persistent ones (:mod:`.attention_persistent`).
+(:mod:`.fwd`, :mod:`.bwd`) and the persistent ones (:mod:`.persistent`).
 
 Each kernel family loads its tiles its own way (pointers or TMA descriptors, one layout or its transpose)
 and computes the tile's scores; what it does with them is here, once: the forward's online-softmax (or
@@ -7,7 +7,7 @@ GDPA activation) step and its final normalization, the dS of a key tile for dQ, 
 query tile for dK/dV. Triton inlines these functions, so the kernels' generated code is what it was when
 they were written out in each kernel (``benchmarks/compile_sm90.py --ptx-dir`` compares the PTX).
 
-Conventions as in :mod:`.attention_common`: scores in base 2 for softmax, ``lse`` natural-log and ``-inf``
+Conventions as in :mod:`.common`: scores in base 2 for softmax, ``lse`` natural-log and ``-inf``
 for a row without a visible key; ``MASK`` (the masked phases of a loop) zeroes keys past the sequence's end
 or outside the band.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.triton_kernels.attention_common import LN2, LOG2E, act_and_grad, gdpa_act, visible_keys
+from gem_kernels.attention.triton.common import LN2, LOG2E, act_and_grad, gdpa_act, visible_keys
 
 
 @triton.jit

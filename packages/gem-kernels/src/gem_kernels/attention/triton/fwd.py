@@ -1,4 +1,4 @@
-"""Forward Triton kernel of jagged attention (softmax and GDPA); see :mod:`.attention_common`."""
+"""Forward Triton kernel of jagged attention (softmax and GDPA); see :mod:`.common`."""
 
 # fmt: off
 # (Kernel argument lists stay packed: one argument per line would triple the length of these files.)
@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.triton_kernels.attention_common import (
+from gem_kernels.attention.triton.common import (
     band_ranges,
     load_rows,
     program_seq_head,
@@ -17,7 +17,7 @@ from gem_kernels.triton_kernels.attention_common import (
     seq_bounds,
     store_rows,
 )
-from gem_kernels.triton_kernels.attention_tile_math import fwd_finish, fwd_tile
+from gem_kernels.attention.triton.tile_math import fwd_finish, fwd_tile
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Vectorized PyTorch path for jagged softmax attention and GDPA, forward and backward (the CPU path).
 
-Same semantics as the per-sequence loops in :mod:`gem_kernels.torch_ops.attention_reference` (which stay the
+Same semantics as the per-sequence loops in :mod:`gem_kernels.attention.reference` (which stay the
 oracle), but without a Python loop over the batch: the sequences are grouped into buckets by their query and
 key lengths (:data:`BUCKETS_PER_OCTAVE` buckets per doubling), each group is gathered into padded head-major
 ``[H, G, Lq_max, D]`` / ``[H, G, Lk_max, D]`` tensors through index tensors, the masked scores ``[H, G,
@@ -23,8 +23,8 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
-from gem_kernels.torch_ops.activations import act_grad, act_value
-from gem_kernels.torch_ops.attention_reference import SOFTMAX, compute_dtype
+from gem_kernels.attention.activations import act_grad, act_value
+from gem_kernels.attention.reference import SOFTMAX, compute_dtype
 
 # Largest G * H * Lq_max * Lk_max of one group's score tensor (2**26 fp32 elements = 256 MiB); several
 # such temporaries live at once in the backward, so this bounds its peak memory to about 1 GiB. A single
@@ -163,7 +163,7 @@ def _flat(padded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _probs_(s: torch.Tensor, masked_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: ``s`` ``[H, G, Lq, Lk]`` scores -> masked softmax probabilities over the last dim (rows
     with no visible key give 0), plus the log-sum-exp ``[H, G, Lq]`` (``-inf`` for those rows). The
-    arithmetic of :func:`gem_kernels.torch_ops.attention_reference._probs`, without temporaries of the scores'
+    arithmetic of :func:`gem_kernels.attention.reference._probs`, without temporaries of the scores'
     size."""
     s.masked_fill_(masked_out, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
@@ -196,7 +196,7 @@ def attention_fwd(
     qk_scale: float,
     out_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vectorized forward; the contract of :func:`gem_kernels.torch_ops.attention_reference.attention_fwd`.
+    """Vectorized forward; the contract of :func:`gem_kernels.attention.reference.attention_fwd`.
 
     Args:
         q: ``[total_q, H, D]``; k: ``[total_kv, H, D]``; v: ``[total_kv, H, Dv]``; one floating dtype.

@@ -1,9 +1,9 @@
 """Persistent-grid Triton kernels of jagged attention (forward, dQ, dK/dV), optionally with TMA loads.
 
-Same mathematics, layout, band and three-phase loops as :mod:`.attention_fwd` / :mod:`.attention_bwd` (see
-:mod:`.attention_common`); what differs is the grid. Instead of one program per (sequence x head, tile of
+Same mathematics, layout, band and three-phase loops as :mod:`.fwd` / :mod:`.bwd` (see
+:mod:`.common`); what differs is the grid. Instead of one program per (sequence x head, tile of
 the longest sequence), most of which return at once on a log-normal batch, a few programs per SM loop over
-the work items of a :class:`~.attention_schedule.TileSchedule` (real tiles only, heaviest first), taking the
+the work items of a :class:`~.schedule.TileSchedule` (real tiles only, heaviest first), taking the
 next item from a global atomic counter: greedy longest-processing-time-first list scheduling, so that a
 program that drew a long causal tile does not hold up the end of the kernel.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.triton_kernels.attention_common import (
+from gem_kernels.attention.triton.common import (
     band_ranges,
     bwd_scales,
     persistent_item,
@@ -34,7 +34,7 @@ from gem_kernels.triton_kernels.attention_common import (
     seq_pair_bounds,
     store_rows,
 )
-from gem_kernels.triton_kernels.attention_tile_math import dkdv_tile_grads, dq_tile_ds, fwd_finish, fwd_tile
+from gem_kernels.attention.triton.tile_math import dkdv_tile_grads, dq_tile_ds, fwd_finish, fwd_tile
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh
                ACT: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr):
-    """Key tiles ``[lo, hi)`` into ``acc`` ``[BM, BDV]`` (as :func:`.attention_fwd._fwd_tiles`)."""
+    """Key tiles ``[lo, hi)`` into ``acc`` ``[BM, BDV]`` (as :func:`.fwd._fwd_tiles`)."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _tile(K, kd, kv_start, start_n, len_kv, h, stride_kt, stride_kh, D, BLOCK_N, BLOCK_D, MASK,
@@ -149,7 +149,7 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stri
               ACT: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr):
-    """``dS K`` over key tiles ``[lo, hi)`` into ``dq`` ``[BM, BD]`` (as :func:`.attention_bwd._dq_tiles`)."""
+    """``dS K`` over key tiles ``[lo, hi)`` into ``dq`` ``[BM, BD]`` (as :func:`.bwd._dq_tiles`)."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _tile(K, kd, kv_start, start_n, len_kv, h, stride_kt, stride_kh, D, BLOCK_N, BLOCK_D, MASK,
@@ -220,7 +220,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, s
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr):
     """``P^T dO`` into ``dv``, ``dS^T Q`` into ``dk`` over query tiles ``[lo, hi)`` (as
-    :func:`.attention_bwd.dkdv_tiles`)."""
+    :func:`.bwd.dkdv_tiles`)."""
     for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _tile(Q, qd, q_start, start_m, len_q, h, stride_qt, stride_qh, D, BLOCK_M, BLOCK_D, MASK, USE_TMA)

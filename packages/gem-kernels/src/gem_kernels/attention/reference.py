@@ -7,7 +7,7 @@ via autograd) so that it can run inside a custom op and so that ``gradcheck`` ch
 
 Conventions shared with the Triton kernels:
 
-- ``activation`` is ``"softmax"`` or a GDPA activation from :mod:`gem_kernels.torch_ops.activations`.
+- ``activation`` is ``"softmax"`` or a GDPA activation from :mod:`gem_kernels.attention.activations`.
 - ``left``/``right`` bound the band of visible keys, in tokens: key ``j`` is visible from query ``i`` iff
   ``i - left <= j <= i + right``; ``-1`` means unbounded. Causal attention is ``right=0``.
 - A query row with no visible key outputs 0 and gets zero gradients; its log-sum-exp is ``-inf``.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from gem_kernels.torch_ops.activations import act_grad, act_value
+from gem_kernels.attention.activations import act_grad, act_value
 
 SOFTMAX = "softmax"
 

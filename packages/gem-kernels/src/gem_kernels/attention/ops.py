@@ -1,4 +1,4 @@
-"""Public jagged attention ops: validation, torch.library registration, dispatch, autograd, FLOPs.
+"""The op face of jagged attention: validation, torch.library registration, dispatch, autograd, FLOPs.
 
 Two custom ops carry both families (softmax attention and GDPA):
 
@@ -6,9 +6,10 @@ Two custom ops carry both families (softmax attention and GDPA):
   left, right, qk_scale, out_scale) -> (out, lse)``
 - ``gem_kernels::jagged_attention_bwd(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)``
 
-Each runs the Triton kernels when :func:`gem_kernels.dispatch.use_triton` says so and the vectorized
-PyTorch path (:mod:`gem_kernels.torch_ops.attention_cpu`; :mod:`gem_kernels.torch_ops.attention_reference`
-holds the per-sequence oracle) otherwise. Both have fake
+Each runs the Triton kernels (:mod:`gem_kernels.attention.triton.launch`) when
+:func:`gem_kernels.dispatch.use_triton` says so and the vectorized PyTorch path
+(:mod:`gem_kernels.attention.cpu`; :mod:`gem_kernels.attention.reference` holds the per-sequence oracle)
+otherwise. Both have fake
 implementations (so ``torch.compile`` traces through them without a graph break) and FLOP formulas (so
 ``torch.utils.flop_counter.FlopCounterMode`` counts them). Double backward is not supported.
 """
@@ -21,11 +22,10 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from gem_kernels.attention import cpu, reference
+from gem_kernels.attention.activations import GDPA_ACTIVATIONS, canonical_activation
 from gem_kernels.checks import check_offsets, check_same, check_values
 from gem_kernels.dispatch import get_backend, use_triton
-from gem_kernels.torch_ops import attention_cpu as cpu
-from gem_kernels.torch_ops import attention_reference as reference
-from gem_kernels.torch_ops.activations import GDPA_ACTIVATIONS, canonical_activation
 
 __all__ = ["GDPA_ACTIVATIONS", "gdpa", "jagged_flash_attention"]
 
@@ -71,9 +71,9 @@ def _attention_fwd(
     out_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _on_triton(q, v):
-        from gem_kernels.triton_kernels import attention as triton_attention
+        from gem_kernels.attention.triton import launch
 
-        return triton_attention.attention_fwd(
+        return launch.attention_fwd(
             q,
             k,
             v,
@@ -129,9 +129,9 @@ def _attention_bwd(
     out_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _on_triton(q, v):
-        from gem_kernels.triton_kernels import attention as triton_attention
+        from gem_kernels.attention.triton import launch
 
-        return triton_attention.attention_bwd(
+        return launch.attention_bwd(
             dout,
             q,
             k,
