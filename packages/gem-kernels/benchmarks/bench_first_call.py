@@ -101,7 +101,7 @@ def _child(case: str, small: bool, prewarm: bool) -> dict:
 
     import torch._dynamo
 
-    for mod in ("triton", "gem_kernels.attention.triton.launch", "gem_kernels.triton_kernels.block",
+    for mod in ("triton", "gem_kernels.attention.triton.launch", "gem_kernels.block.triton",
                 "gem_kernels.attention.triton.persistent_launch"):  # fmt: skip
         importlib.import_module(mod)
     import_s = time.perf_counter() - t0

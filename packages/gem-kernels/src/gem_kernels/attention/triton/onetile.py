@@ -53,7 +53,7 @@ from gem_kernels.attention.triton.common import (
     store_rows,
     visible_mask,
 )
-from gem_kernels.triton_kernels.jagged import segment_of_item
+from gem_kernels.jagged.triton import segment_of_item
 
 
 @triton.jit

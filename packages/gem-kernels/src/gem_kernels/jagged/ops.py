@@ -1,4 +1,5 @@
-"""Jagged helper ops: jagged <-> padded dense, per-sequence concat/split, mean and last-k pooling.
+"""The op face of the jagged helpers: jagged <-> padded dense, per-sequence concat/split, mean and last-k
+pooling.
 
 Layout: values ``[total, *F]`` (any trailing feature shape, floating dtype) plus offsets ``[B+1]``.
 Each public function validates, flattens the features to ``[total, F]`` and calls a custom op
@@ -26,7 +27,7 @@ import torch
 
 from gem_kernels.checks import FLOAT_DTYPES, check_offsets, check_same, debug_enabled
 from gem_kernels.dispatch import get_backend, use_triton
-from gem_kernels.torch_ops import jagged_reference as ref
+from gem_kernels.jagged import reference as ref
 
 __all__ = [
     "jagged_concat",
@@ -62,7 +63,7 @@ def _jagged_to_padded_op(
         padded: torch.Tensor = fb(values, [offsets.long()], [max_len], padding_value)
         return padded
     if values.dtype != torch.float64 and use_triton(values):
-        from gem_kernels.triton_kernels.jagged import jagged_to_padded_triton
+        from gem_kernels.jagged.triton import jagged_to_padded_triton
 
         return jagged_to_padded_triton(values, offsets, max_len, padding_value)
     return ref.jagged_to_padded(values, offsets, max_len, padding_value)
@@ -80,7 +81,7 @@ def _padded_to_jagged_op(padded: torch.Tensor, offsets: torch.Tensor, total: int
         jagged: torch.Tensor = fb(padded, [offsets.long()], total)[0]
         return jagged
     if padded.dtype != torch.float64 and use_triton(padded):
-        from gem_kernels.triton_kernels.jagged import padded_to_jagged_triton
+        from gem_kernels.jagged.triton import padded_to_jagged_triton
 
         return padded_to_jagged_triton(padded, offsets, total)
     return ref.padded_to_jagged(padded, offsets, total)
@@ -179,7 +180,7 @@ _jagged_split_op.register_autograd(_split_backward, setup_context=_split_setup)
 @torch.library.custom_op("gem_kernels::jagged_mean", mutates_args=())
 def _jagged_mean_op(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if values.dtype != torch.float64 and use_triton(values):
-        from gem_kernels.triton_kernels.jagged import jagged_mean_triton
+        from gem_kernels.jagged.triton import jagged_mean_triton
 
         return jagged_mean_triton(values, offsets)
     return ref.jagged_mean(values, offsets)

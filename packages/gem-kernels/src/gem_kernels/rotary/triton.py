@@ -1,4 +1,5 @@
-"""Triton kernel of :func:`gem_kernels.apply_rotary`: one pass over x, rotation in fp32 registers.
+"""Triton kernel of :func:`gem_kernels.apply_rotary` (one pass over x, rotation in fp32 registers), and the
+FMA-only sin/cos (:func:`cos_sin`) that block attention's fused rotary shares.
 
 Program (token tile, head): loads the two halves of ``BLOCK_T`` rows of one head, their positions, and
 writes the rotated halves. The default positions (0..len-1 per sequence) are computed on the device by
@@ -11,10 +12,39 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.torch_ops.block_reference import inv_frequencies, rotary_positions
-from gem_kernels.triton_kernels.block import cos_sin
+from gem_kernels.rotary.reference import inv_frequencies, rotary_positions
 
 BLOCK_T = 32
+
+
+@triton.jit
+def cos_sin(angle):
+    """cos and sin of fp32 angles, by FMAs only (no libdevice call, no local memory).
+
+    Reduce to ``r`` in [-pi, pi] with a two-constant Cody-Waite step (angles reach thousands of radians
+    for long sequences), evaluate sin and cos of ``r / 2`` (in [-pi/2, pi/2]) by their Taylor series to
+    degree 11 and 12 (truncation error < 6e-8), then double the angle. Absolute error ~1e-7, at the
+    level of the fp32 rounding of the angle itself. libdevice's precise sinf/cosf carry a Payne-Hanek
+    slow path with a local-memory table, which spilled and cost 2-3x the whole kernel on the H200.
+    """
+    k = tl.floor(angle * 0.15915494309189535 + 0.5)
+    # 2*pi = 6.28125 + 0.0019353071795864769; k * 6.28125 is exact for k < 2**15.
+    x = ((angle - k * 6.28125) - k * 0.0019353071795864769) * 0.5
+    x2 = x * x
+    s = -2.505210838544172e-08
+    s = s * x2 + 2.7557319223985893e-06
+    s = s * x2 - 1.984126984126984e-04
+    s = s * x2 + 8.333333333333333e-03
+    s = s * x2 - 1.6666666666666666e-01
+    s = x + x * x2 * s
+    c = 2.08767569878681e-09
+    c = c * x2 - 2.755731922398589e-07
+    c = c * x2 + 2.48015873015873e-05
+    c = c * x2 - 1.388888888888889e-03
+    c = c * x2 + 4.1666666666666664e-02
+    c = c * x2 - 0.5
+    c = 1.0 + x2 * c
+    return c * c - s * s, 2.0 * s * c
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Block attention: softmax attention within fixed-size blocks of each jagged sequence.
+"""The op face of block attention: softmax attention within fixed-size blocks of each jagged sequence.
 
 Block ``j`` of a sequence covers its tokens ``[j*block_size, (j+1)*block_size)`` (the last block may be
 shorter); every query attends only to the keys of its own block, so the cost grows linearly with the
@@ -17,13 +17,10 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from gem_kernels.block.reference import block_attention_backward_reference, block_attention_reference
 from gem_kernels.checks import check_offsets, check_same, check_values
 from gem_kernels.dispatch import use_triton
-from gem_kernels.rotary import Rotary, check_rotary_args
-from gem_kernels.torch_ops.block_reference import (
-    block_attention_backward_reference,
-    block_attention_reference,
-)
+from gem_kernels.rotary.ops import Rotary, check_rotary_args
 
 __all__ = ["block_attention"]
 
@@ -50,7 +47,7 @@ def _block_attention_op(
     use_rotary: bool,
 ) -> torch.Tensor:
     if _use_kernel(q, v, block_size):
-        from gem_kernels.triton_kernels.block import block_attention_fwd
+        from gem_kernels.block.triton import block_attention_fwd
 
         return block_attention_fwd(
             q, k, v, offsets, max_seq_len, block_size, causal, scale, positions, base, use_rotary
@@ -80,7 +77,7 @@ def _block_attention_backward_op(
     use_rotary: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_kernel(q, v, block_size):
-        from gem_kernels.triton_kernels.block import block_attention_bwd
+        from gem_kernels.block.triton import block_attention_bwd
 
         return block_attention_bwd(
             grad_out,

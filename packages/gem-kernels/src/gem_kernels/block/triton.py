@@ -12,7 +12,8 @@ maps program ``pid`` to its sequence by a branchless binary search; the grid is 
 block count (``ceil(total / block_size) + B``, no host sync), and the few spare programs exit at once.
 No program touches padding.
 
-Rotary (half-split convention, see :mod:`gem_kernels.rotary`): q and k are loaded as two halves
+Rotary (half-split convention, see :mod:`gem_kernels.rotary`; sin and cos by
+:func:`gem_kernels.rotary.triton.cos_sin`): q and k are loaded as two halves
 ``x1 = x[:, :D/2]``, ``x2 = x[:, D/2:]``, rotated in fp32 registers and rounded once to the input dtype
 for the tensor-core dots, so ``S = q1 k1^T + q2 k2^T``. The backward applies the inverse rotation to dQ and
 dK in fp32 before their single rounding. The same half split is used without rotary (it also serves odd D).
@@ -20,26 +21,56 @@ dK in fp32 before their single rounding. The same half split is used without rot
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.torch_ops.block_reference import inv_frequencies
-from gem_kernels.triton_kernels.jagged import segment_bounds, segment_of_item
+from gem_kernels.jagged.triton import segment_bounds, segment_of_item
+from gem_kernels.rotary.reference import inv_frequencies
+from gem_kernels.rotary.triton import cos_sin
 
-# Launch settings, chosen on the H200 (see BENCHMARKS.md); module attributes, so a benchmark can
-# override them. HEAD_GROUP heads share one program (and its rotary angles) when it divides H.
-FWD_WARPS = 4
-BWD_WARPS = 8
-NUM_STAGES = 1
-HEAD_GROUP = 1
-# Register cap of the backward (ptxas .maxnreg): 128 lets two 8-warp programs share an SM, at the
-# price of a small spill. None leaves it to ptxas.
-BWD_MAXNREG: int | None = None
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """Launch settings of the block kernels, chosen on the H200 (BENCHMARKS.md).
+
+    ``head_group`` heads share one program (and its rotary angles) when it divides H. ``bwd_maxnreg``: the
+    backward's register cap (ptxas ``.maxnreg``; 128 lets two 8-warp programs share an SM, at the price
+    of a small spill); None leaves it to ptxas."""
+
+    fwd_warps: int = 4
+    bwd_warps: int = 8
+    num_stages: int = 1
+    head_group: int = 1
+    bwd_maxnreg: int | None = None
+
+
+_settings = LaunchSettings()
+
+
+def launch_settings() -> LaunchSettings:
+    """The settings the launches use now (the defaults outside :func:`launched_with`)."""
+    return _settings
+
+
+@contextlib.contextmanager
+def launched_with(**changes: Any) -> Iterator[LaunchSettings]:
+    """Launch with some settings changed inside a ``with`` block (benchmarks sweep them, tests cover
+    ``head_group > 1``); yields the settings in force."""
+    global _settings
+    old, _settings = _settings, dataclasses.replace(_settings, **changes)
+    try:
+        yield _settings
+    finally:
+        _settings = old
 
 
 def _cuda_options(maxnreg: int | None) -> dict[str, int]:
@@ -47,36 +78,6 @@ def _cuda_options(maxnreg: int | None) -> dict[str, int]:
     if maxnreg is None or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return {}
     return {"maxnreg": maxnreg}
-
-
-@triton.jit
-def cos_sin(angle):
-    """cos and sin of fp32 angles, by FMAs only (no libdevice call, no local memory).
-
-    Reduce to ``r`` in [-pi, pi] with a two-constant Cody-Waite step (angles reach thousands of radians
-    for long sequences), evaluate sin and cos of ``r / 2`` (in [-pi/2, pi/2]) by their Taylor series to
-    degree 11 and 12 (truncation error < 6e-8), then double the angle. Absolute error ~1e-7, at the
-    level of the fp32 rounding of the angle itself. libdevice's precise sinf/cosf carry a Payne-Hanek
-    slow path with a local-memory table, which spilled and cost 2-3x the whole kernel on the H200.
-    """
-    k = tl.floor(angle * 0.15915494309189535 + 0.5)
-    # 2*pi = 6.28125 + 0.0019353071795864769; k * 6.28125 is exact for k < 2**15.
-    x = ((angle - k * 6.28125) - k * 0.0019353071795864769) * 0.5
-    x2 = x * x
-    s = -2.505210838544172e-08
-    s = s * x2 + 2.7557319223985893e-06
-    s = s * x2 - 1.984126984126984e-04
-    s = s * x2 + 8.333333333333333e-03
-    s = s * x2 - 1.6666666666666666e-01
-    s = x + x * x2 * s
-    c = 2.08767569878681e-09
-    c = c * x2 - 2.755731922398589e-07
-    c = c * x2 + 2.48015873015873e-05
-    c = c * x2 - 1.388888888888889e-03
-    c = c * x2 + 4.1666666666666664e-02
-    c = c * x2 - 0.5
-    c = 1.0 + x2 * c
-    return c * c - s * s, 2.0 * s * c
 
 
 @triton.jit
@@ -258,7 +259,7 @@ def _store_grad_halves(
     tl.store(ptr + HALF, g2.to(dt), mask=mask2)
 
 
-def _launch_args(
+def launch_args(
     q: torch.Tensor,
     v: torch.Tensor,
     offsets: torch.Tensor,
@@ -292,7 +293,7 @@ def _launch_args(
         ROTARY=use_rotary, HAS_POS=positions is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
-    group = HEAD_GROUP if heads % HEAD_GROUP == 0 else 1
+    group = _settings.head_group if heads % _settings.head_group == 0 else 1
     meta["HEAD_GROUP"] = group
     return (max(num_programs, 0), heads // group), block_starts, pos, inv_freq, meta
 
@@ -312,7 +313,7 @@ def block_attention_fwd(
 ) -> torch.Tensor:
     """Forward launch: q, k ``[total, H, D]``, v ``[total, H, Dv]`` contiguous -> ``[total, H, Dv]``."""
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=v.dtype, device=q.device)
-    grid, block_starts, pos, inv_freq, meta = _launch_args(
+    grid, block_starts, pos, inv_freq, meta = launch_args(
         q, v, offsets, max_seq_len, block_size, positions, base, use_rotary
     )
     if grid[0] == 0 or q.shape[0] == 0:
@@ -320,7 +321,7 @@ def block_attention_fwd(
     _block_attention_fwd[grid](
         q, k, v, out, offsets, block_starts, pos, inv_freq,
         offsets.numel() - 1, q.stride(0), q.stride(1), v.stride(0), v.stride(1), scale * 1.4426950408889634,
-        DV=v.shape[2], CAUSAL=causal, num_warps=FWD_WARPS, num_stages=NUM_STAGES, **meta,
+        DV=v.shape[2], CAUSAL=causal, num_warps=_settings.fwd_warps, num_stages=_settings.num_stages, **meta,
     )  # fmt: skip
     return out
 
@@ -342,7 +343,7 @@ def block_attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward launch: ``(dq, dk, dv)`` in the input dtype (``out`` is not needed: Di comes from P)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    grid, block_starts, pos, inv_freq, meta = _launch_args(
+    grid, block_starts, pos, inv_freq, meta = launch_args(
         q, v, offsets, max_seq_len, block_size, positions, base, use_rotary
     )
     if grid[0] == 0 or q.shape[0] == 0:
@@ -351,7 +352,7 @@ def block_attention_bwd(
         q, k, v, grad_out, dq, dk, dv, offsets, block_starts, pos, inv_freq,
         offsets.numel() - 1, q.stride(0), q.stride(1), v.stride(0), v.stride(1),
         scale * 1.4426950408889634, scale,
-        DVD=v.shape[2], CAUSAL=causal, num_warps=BWD_WARPS, num_stages=NUM_STAGES,
-        **_cuda_options(BWD_MAXNREG), **meta,
+        DVD=v.shape[2], CAUSAL=causal, num_warps=_settings.bwd_warps, num_stages=_settings.num_stages,
+        **_cuda_options(_settings.bwd_maxnreg), **meta,
     )  # fmt: skip
     return dq, dk, dv

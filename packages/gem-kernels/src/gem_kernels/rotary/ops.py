@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE) on jagged tensors, and the ``Rotary`` spec for block attention.
+"""The op face of rotary position embeddings (RoPE) on jagged tensors, and the ``Rotary`` spec of block
+attention.
 
 Convention ("rotate_half", as in GPT-NeoX and Llama's Hugging Face port): the head dimension ``D`` is
 split in halves, pair ``i`` is ``(x[..., i], x[..., i + D/2])`` and is rotated by
@@ -20,7 +21,7 @@ import torch
 
 from gem_kernels.checks import check_offsets, check_values
 from gem_kernels.dispatch import use_triton
-from gem_kernels.torch_ops.block_reference import rotary_reference
+from gem_kernels.rotary.reference import rotary_reference
 
 __all__ = ["Rotary", "apply_rotary"]
 
@@ -62,7 +63,7 @@ def _apply_rotary_op(
     x: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor | None, base: float, inverse: bool
 ) -> torch.Tensor:
     if x.dtype != torch.float64 and use_triton(x):
-        from gem_kernels.triton_kernels.rotary import rotary_triton
+        from gem_kernels.rotary.triton import rotary_triton
 
         return rotary_triton(x, offsets, positions, base, inverse)
     return rotary_reference(x, offsets, positions, base, inverse)
