@@ -1,5 +1,6 @@
-"""``to_mx`` and ``mx_mm``: the public MX API, dispatching (:mod:`gem_precision.dispatch`) to Triton on CUDA
-and PyTorch on CPU. :class:`MXTensor` lives in :mod:`gem_precision.mx_tensor` and is re-exported here.
+"""The op face of MX: ``to_mx`` and ``mx_mm`` check their arguments and dispatch
+(:mod:`gem_precision.dispatch`) to the Triton kernels (:mod:`.triton`) on CUDA and the PyTorch reference
+(:mod:`.reference`) elsewhere. :class:`MXTensor` lives in :mod:`.tensor`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from gem_precision.formats import (
     elem_format,
     has_e8m0_dtype,
 )
-from gem_precision.mx_tensor import MXTensor
-from gem_precision.torch_ops import mx_reference
+from gem_precision.mx import reference as mx_reference
+from gem_precision.mx.tensor import MXTensor
 
 # Block sizes the Triton kernels are compiled for; every path accepts only these.
 TRITON_BLOCK_SIZES = BLOCK_SIZES
 
-__all__ = ["BACKENDS", "TRITON_BLOCK_SIZES", "MXTensor", "mx_mm", "random_hadamard", "to_mx"]
+__all__ = ["BACKENDS", "TRITON_BLOCK_SIZES", "mx_mm", "random_hadamard", "to_mx"]
 
 
 def random_hadamard(
@@ -82,7 +83,7 @@ def to_mx(
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"reference"``.
 
     Returns:
-        An :class:`MXTensor`. See :mod:`gem_precision.torch_ops.mx_reference` for zeros, NaN, Inf and
+        An :class:`MXTensor`. See :mod:`gem_precision.mx.reference` for zeros, NaN, Inf and
         subnormals.
     """
     check_float_tensor("to_mx", "x", x)
@@ -118,7 +119,7 @@ def to_mx(
         hadamard = hadamard.to(device=x.device, dtype=torch.float32)
 
     if _use_triton(x, block_size, backend):
-        from gem_precision.triton_kernels import mx as triton_mx
+        from gem_precision.mx import triton as triton_mx
 
         seed = None
         if rounding == "stochastic":
@@ -181,7 +182,7 @@ def mx_mm(
     """
     _check_mm_operands(a, b)
     if _use_triton(a.data, a.block_size, backend):
-        from gem_precision.triton_kernels import mx as triton_mx
+        from gem_precision.mx import triton as triton_mx
 
         return triton_mx.mx_mm_triton(a, b, out_dtype=out_dtype)
     return mx_reference.mx_mm_reference(

@@ -1,20 +1,17 @@
-"""Triton helpers shared by the quantization kernels: FP8 rounding with integer bit operations.
+"""Triton FP8 casts shared by the MX and row-wise quantization kernels (:mod:`.mx.triton`,
+:mod:`.rowwise.triton`): FP8 rounding with integer bit operations or the hardware cast, E8M0 decoding.
 
 Rounding is done on the fp32 bit pattern instead of with Triton's fp32 -> fp8 casts, because the casts
 differ between back ends (the interpreter gets some of them wrong) while these give the same bits
-everywhere. The algorithm is the one of :func:`gem_precision.torch_ops.mx_reference.round_to_fp8_bits`.
+everywhere. The algorithm is the one of :func:`gem_precision.mx.reference.round_to_fp8_bits`.
 """
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from gem_precision.dispatch import triton_interpreted
 
 
 @triton.jit
@@ -49,7 +46,7 @@ def fp8_round_bits(v, r, MBITS: tl.constexpr, BIAS: tl.constexpr, STOCHASTIC: tl
 # On GPUs (sm89+) the hardware cast cvt.rn.satfinite.{e4m3,e5m2}x2.f32 rounds to nearest-even, one
 # instruction per two elements instead of ~25 integer operations per element; the GPU tests check it bit
 # for bit against the reference. The interpreter's casts are wrong in some cases, so it uses bit arithmetic.
-NATIVE_FP8_CAST = not interpreting()
+NATIVE_FP8_CAST = not triton_interpreted()
 
 
 @triton.jit

@@ -13,7 +13,7 @@ zeros itself, so the store mask is constant over 16 bytes (vector stores) when K
 output gradient, which the backward quantizes along each of its two GEMMs' K).
 
 The previous column kernels (``_col_amax_kernel`` + ``_col_quant_t_kernel``) stay for the benchmark's
-old-against-new comparison (``COL_IMPL = "legacy"``).
+old-against-new comparison (``col_impl="legacy"``, or ``COL_IMPL`` for a whole benchmark run).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_precision.dispatch import triton_interpreted
 from gem_precision.formats import ElemFormat
-from gem_precision.triton_kernels.fp8 import NATIVE_FP8_CAST, fp8_bits, interpreting
+from gem_precision.fp8_triton import NATIVE_FP8_CAST, fp8_bits
 
-_AMAX_EPS = tl.constexpr(1e-12)  # as gem_precision.torch_ops.rowwise_reference.AMAX_EPS
+_AMAX_EPS = tl.constexpr(1e-12)  # as gem_precision.rowwise.reference.AMAX_EPS
 
 
 @triton.jit
@@ -178,7 +179,8 @@ def _tile_quant_kernel(
         )
 
 
-# "tiled": the two-pass tile kernels above; "legacy": _col_amax_kernel + _col_quant_t_kernel (benchmarks).
+# "tiled": the two-pass tile kernels above; "legacy": _col_amax_kernel + _col_quant_t_kernel. The default
+# of quantize_rowwise_triton's col_impl: a benchmark setting (bench_fp8_quant.py times the layer with each).
 COL_IMPL = "tiled"
 # GPU tiles: pass 1 strips of STRIP rows in [BR, BC] tiles; pass 2 tiles [BR, BC] (BR bytes per row of the
 # transposed output: 128 = a full cache line per stored row segment).
@@ -226,7 +228,7 @@ def quantize_tiles_triton(
             return colt.view(col_fmt.dtype), _eps_scale(c, col_fmt, dev), row.zero_().view(row_fmt.dtype), \
                 _eps_scale(r, row_fmt, dev)  # fmt: skip
         return colt.view(col_fmt.dtype), _eps_scale(c, col_fmt, dev), None, None
-    interp = interpreting()
+    interp = triton_interpreted()
     strip, abr, abc, awarps = _INTERP_AMAX_TILE if interp else AMAX_TILE
     qbr, qbc, qwarps = _INTERP_QUANT_TILE if interp else QUANT_TILE
     col_amax = torch.zeros((c,), dtype=torch.int32, device=dev)
@@ -253,7 +255,7 @@ def quantize_tiles_triton(
 
 def _legacy_col_quant(x: torch.Tensor, fmt: ElemFormat, k_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
     r, c = x.shape
-    interp = interpreting()
+    interp = triton_interpreted()
     meta = dict(MBITS=fmt.mbits, BIAS=fmt.bias, MAXV=fmt.max_value, NATIVE=NATIVE_FP8_CAST)
     cols_out = _pad(r, k_multiple)
     data = torch.empty((c, cols_out), dtype=torch.uint8, device=x.device)
@@ -272,21 +274,22 @@ def _legacy_col_quant(x: torch.Tensor, fmt: ElemFormat, k_multiple: int) -> tupl
 
 
 def quantize_rowwise_triton(
-    x: torch.Tensor, fmt: ElemFormat, *, transpose: bool, k_multiple: int = 1
+    x: torch.Tensor, fmt: ElemFormat, *, transpose: bool, k_multiple: int = 1, col_impl: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise FP8 quantization of ``x [R, C]`` (or of ``x.T`` with ``transpose``) on the GPU.
 
     Returns ``(data contiguous fmt.dtype, scale [rows, 1] fp32)``; the data's last dimension (the K of the
-    GEMM it feeds) is zero-padded to a multiple of ``k_multiple``. See
+    GEMM it feeds) is zero-padded to a multiple of ``k_multiple``. ``col_impl``: the column kernels of
+    ``transpose`` (``"tiled"`` or ``"legacy"``; default :data:`COL_IMPL`). See
     :func:`gem_precision.rowwise.quantize_rowwise`.
     """
     if transpose:
-        if COL_IMPL == "legacy":
+        if (col_impl or COL_IMPL) == "legacy":
             return _legacy_col_quant(x, fmt, k_multiple)
         colt, scale, _, _ = quantize_tiles_triton(x, fmt, col_k_multiple=k_multiple)
         return colt, scale
     r, c = x.shape
-    interp = interpreting()
+    interp = triton_interpreted()
     meta = dict(MBITS=fmt.mbits, BIAS=fmt.bias, MAXV=fmt.max_value, NATIVE=NATIVE_FP8_CAST)
     cols_out = _pad(c, k_multiple)
     # Only the padding needs zeros: the kernel writes every other byte.

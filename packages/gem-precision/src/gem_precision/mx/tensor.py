@@ -1,7 +1,7 @@
-"""``MXTensor``: FP8 elements with E8M0 block scales, the value type of the MX ops (:mod:`gem_precision.mx`).
+"""``MXTensor``: FP8 elements with E8M0 block scales, the value type of the MX ops (:mod:`.ops`).
 
-Its own module so that the Triton kernels (:mod:`gem_precision.triton_kernels.mx`) can name the type
-without importing the public face that dispatches to them.
+Its own module so that the Triton kernels (:mod:`.triton`) and :mod:`.dequantize` can name the type (for
+annotations only) without importing the face that dispatches to them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from gem_precision.formats import has_e8m0_dtype
-from gem_precision.torch_ops import mx_reference
+from gem_precision.mx.dequantize import dequantize
 
 
 @dataclass
@@ -61,22 +61,10 @@ class MXTensor:
             return dim >= self.data.dim() - 2
         return dim == self.axis
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The values ``data * scale`` (Hadamard undone) in ``dtype`` (default: ``orig_dtype``)."""
-        dtype = dtype or self.orig_dtype
-        if self.data.is_cuda and self.data.dim() == 2 and self.hadamard is None and dtype.is_floating_point:
-            from gem_precision.triton_kernels import mx as triton_mx
-
-            return triton_mx.dequantize_triton(self, dtype)  # same bits: fp32 product, then the cast
-        out = mx_reference.dequantize_reference(
-            self.data,
-            self.scale,
-            axis=self.axis,
-            block_size=self.block_size,
-            square=self.square,
-            hadamard=self.hadamard,
-        )
-        return out.to(dtype)
+    def dequantize(self, dtype: torch.dtype | None = None, *, backend: str = "auto") -> torch.Tensor:
+        """The values ``data * scale`` (Hadamard undone) in ``dtype`` (default: ``orig_dtype``), on the
+        Triton kernel or the reference per ``backend`` (as for :func:`gem_precision.to_mx`)."""
+        return dequantize(self, dtype or self.orig_dtype, backend)
 
     def t(self) -> MXTensor:
         """The transpose of a 2-D MXTensor (a view: the data stays blocked along the same elements)."""

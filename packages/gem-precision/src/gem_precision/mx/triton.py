@@ -9,13 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_precision.dispatch import triton_interpreted
 from gem_precision.formats import ElemFormat
-from gem_precision.torch_ops import mx_reference
-from gem_precision.triton_kernels import fp8 as triton_fp8
-from gem_precision.triton_kernels.fp8 import e8m0_to_f32, fp8_bits, interpreting
+from gem_precision.fp8_triton import NATIVE_FP8_CAST, e8m0_to_f32, fp8_bits
+from gem_precision.mx import reference as mx_reference
 
-if TYPE_CHECKING:  # only the type: importing mx_tensor here at run time would make a cycle with it
-    from gem_precision.mx_tensor import MXTensor
+if TYPE_CHECKING:  # only the type: importing mx.tensor here at run time would make a cycle with it
+    from gem_precision.mx.tensor import MXTensor
 
 # Block layouts of the quantization kernel.
 _ALONG_COLS, _ALONG_ROWS, _SQUARE = 0, 1, 2
@@ -144,7 +144,7 @@ def _tile(layout: int, block: int, hadamard: bool) -> tuple[int, int, int]:
     """(BR, BC, num_warps) of the quantization kernel: the blocked side a multiple of ``block``; with
     the Hadamard transform exactly ``block`` (one tl.dot with the [block, block] matrix per tile)."""
     # Under the interpreter: few large programs (each launch step costs milliseconds).
-    br, bc, warps = (64, 64, 1) if interpreting() else TILES[layout]
+    br, bc, warps = (64, 64, 1) if triton_interpreted() else TILES[layout]
     if layout == _ALONG_COLS:
         return (max(br, 16), block, warps) if hadamard else (br, max(bc, block) // block * block, warps)
     if layout == _ALONG_ROWS:
@@ -171,7 +171,7 @@ def _to_mx_2d(
         LAYOUT=layout, BLOCK=block, BR=br, BC=bc,
         EMAX=fmt.emax, MBITS=fmt.mbits, BIAS=fmt.bias, MAXV=fmt.max_value, NANB=fmt.nan_bits,
         RCEIL=scale_mode == "rceil", STOCHASTIC=seed is not None, HADAMARD=hadamard is not None,
-        NATIVE=triton_fp8.NATIVE_FP8_CAST,
+        NATIVE=NATIVE_FP8_CAST,
         num_warps=warps,
     )  # fmt: skip
     return data.view(fmt.dtype), scale
@@ -309,11 +309,11 @@ def dequantize_triton(x: MXTensor, dtype: torch.dtype = torch.bfloat16) -> torch
         return out
     dr = x.block_size if (x.square or x.axis == 0) else 1
     dc = x.block_size if (x.square or x.axis == 1) else 1
-    br, bc = (32, 64) if interpreting() else (32, 256)
+    br, bc = (32, 64) if triton_interpreted() else (32, 256)
     grid = (triton.cdiv(r, br), triton.cdiv(c, bc))
     _dequant_kernel[grid](
         x.data, x.scale, out, r, c, x.data.stride(0), x.data.stride(1), x.scale.stride(0), x.scale.stride(1),
-        DR=dr, DC=dc, BR=br, BC=bc, num_warps=1 if interpreting() else 4,
+        DR=dr, DC=dc, BR=br, BC=bc, num_warps=1 if triton_interpreted() else 4,
     )  # fmt: skip
     return out
 
@@ -354,13 +354,13 @@ def mx_mm_triton(
     block = a.block_size
     if path is None:
         path = MX_MM_PATH
-    if path == "dequant" and out_dtype == torch.bfloat16 and not interpreting():
+    if path == "dequant" and out_dtype == torch.bfloat16 and not triton_interpreted():
         # Exact too: bf16 holds the MX values exactly and cuBLAS accumulates in fp32. A Hadamard
         # transform on both operands cancels in the product, as in the fused kernel.
         return torch.mm(dequantize_triton(a), dequantize_triton(b))
     bf16_dot = MX_MM_BF16_DOT if bf16_dot is None else bf16_dot
     if config is None:
-        if interpreting():
+        if triton_interpreted():
             config = (32, 32, max(block, 64), 1, 1)
         elif MX_MM_CONFIG is not None:
             config = MX_MM_CONFIG
@@ -376,7 +376,7 @@ def mx_mm_triton(
         a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
         out.stride(0), out.stride(1),
         A_SQ=a.square, B_SQ=b.square, BLOCK=block, BM=bm, BN=bn, BK=bk, GROUP_M=8, BF16_DOT=bf16_dot,
-        DOT_F32=interpreting(),
+        DOT_F32=triton_interpreted(),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -1,4 +1,5 @@
-"""FP8 GEMMs with one fp32 scale per row along K (``torch._scaled_mm`` on CUDA, emulated elsewhere).
+"""The op face of row-wise FP8: quantizers and GEMMs with one fp32 scale per row along K
+(``torch._scaled_mm`` on CUDA, emulated elsewhere; the quantizers' kernels in :mod:`.triton`).
 
 Shapes the FP8 path cannot take run in the input precision instead of failing (:func:`rowwise_fallback`):
 ``torch._scaled_mm`` needs K and N to be multiples of 16, so K (often the token count, which varies from
@@ -13,7 +14,7 @@ import torch
 
 from gem_precision.dispatch import use_triton
 from gem_precision.formats import check_float_tensor, elem_format
-from gem_precision.torch_ops.rowwise_reference import quantize_rowwise_reference
+from gem_precision.rowwise.reference import quantize_rowwise_reference
 
 FP8_ALIGN = 16  # torch._scaled_mm: K and N multiples of 16 (16-byte rows of FP8 for the tensor cores)
 # A GEMM with fewer rows (M) or a shorter sum (K) than this gains nothing from FP8 (it is all quantization
@@ -57,7 +58,7 @@ def quantize_rowwise(
     if k_multiple < 1:
         raise ValueError(f"quantize_rowwise: k_multiple must be >= 1, got {k_multiple}")
     if use_triton(x):
-        from gem_precision.triton_kernels import rowwise as triton_rowwise
+        from gem_precision.rowwise import triton as triton_rowwise
 
         return triton_rowwise.quantize_rowwise_triton(
             x, elem_format(elem_dtype), transpose=transpose, k_multiple=k_multiple
@@ -97,7 +98,7 @@ def quantize_rowwise_both(
             f"quantize_rowwise_both: k multiples must be >= 1, got {row_k_multiple}, {col_k_multiple}"
         )
     if use_triton(x):
-        from gem_precision.triton_kernels import rowwise as triton_rowwise
+        from gem_precision.rowwise import triton as triton_rowwise
 
         colt, cs, row, rs = triton_rowwise.quantize_tiles_triton(
             x,
