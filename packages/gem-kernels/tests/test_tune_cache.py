@@ -364,3 +364,39 @@ def test_tune_candidates_one_compiles_the_first_pick_only(monkeypatch: pytest.Mo
     for kernel in ("fwd", "dq", "dkdv"):
         (only,) = variants.candidates_for(kernel, 4096, 4096, torch.bfloat16, 128, 128, H200_SMEM)
         assert only == variants.CANDIDATES[kernel]["general"][0]
+
+
+@needs_triton
+def test_tune_cache_is_the_one_autotune_cache_of_the_package() -> None:
+    """Every ``triton.autotune`` of gem-kernels goes through :func:`tune_cache.autotune`: the sources call
+    ``triton.autotune`` nowhere else, and every autotuner the imported modules hold (module globals and
+    the values of module-level dicts) carries the disk-cache hooks. Nothing needs Triton's own
+    ``cache_results`` (a cached bucket is pruned to its one config before Triton would consult it)."""
+    import ast
+    import importlib
+    import pkgutil
+
+    from triton.runtime.autotuner import Autotuner
+
+    import gem_kernels
+
+    src = Path(gem_kernels.__file__).parent
+    callers = set()
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "autotune"
+                and ast.unparse(node) == "triton.autotune"
+            ):
+                callers.add(path.relative_to(src).as_posix())
+    assert callers == {"tune_cache.py"}
+    found = []
+    for info in pkgutil.walk_packages([str(src)], prefix="gem_kernels."):
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            for v in value.values() if isinstance(value, dict) else (value,):
+                if isinstance(v, Autotuner):
+                    found.append(v)
+    assert len({id(t) for t in found}) >= 11  # the attention kernels' (testing.autotuners())
+    assert all(isinstance(getattr(t, "persistent", None), tune_cache.PersistentTuning) for t in found)
