@@ -85,16 +85,15 @@ def test_removed_variants_are_gone():
             pass
 
 
-def test_tma_loads_where_the_layout_allows_and_never_warp_specializes(monkeypatch):
-    """``tma`` loads through descriptors where :func:`tma_supported` holds, else through pointers; the
-    kernels' warp-specialization flag stays off (its variant, ``tma_ws``, was removed)."""
+def test_tma_loads_where_the_layout_allows(monkeypatch):
+    """``tma`` loads through descriptors where :func:`tma_supported` holds, else through pointers."""
     from gem_kernels.attention.triton import persistent_launch
 
     x = torch.zeros(4, 2, 16)
     monkeypatch.setattr(variants, "tma_supported", lambda *t: True)
-    assert persistent_launch.kernel_consts({}, x) == {"USE_TMA": True, "WS": False}
+    assert persistent_launch.kernel_consts({}, x) == {"USE_TMA": True}
     monkeypatch.setattr(variants, "tma_supported", lambda *t: False)
-    assert persistent_launch.kernel_consts({}, x) == {"USE_TMA": False, "WS": False}
+    assert persistent_launch.kernel_consts({}, x) == {"USE_TMA": False}
 
 
 def test_tma_supported_reads_the_layout_under_the_interpreter(monkeypatch):

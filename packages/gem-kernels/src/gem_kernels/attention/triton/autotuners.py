@@ -2,7 +2,7 @@
 choices kept on disk by :func:`gem_kernels.tune_cache.autotune` (the package's one tuning cache).
 
 The key is bucketed (batch and longest lengths to powers of two, band kind, activation, head dims,
-precision, the fast-tanh flag; the persistent kernels add the TMA and warp-specialization flags), so ragged
+precision, the fast-tanh flag; the persistent kernels add the TMA flag), so ragged
 batches do not retune every step. :data:`AUTOTUNERS` holds them by the name they carry in the cache.
 """
 
@@ -32,7 +32,7 @@ from gem_kernels.attention.triton.persistent import (
 )
 
 KEY = ["bucket_b", "bucket_q", "bucket_kv", "band_kind", "ACT", "D", "DV", "PRECISION", "FAST_ACT"]
-PERSISTENT_KEY = [*KEY, "USE_TMA", "WS"]
+PERSISTENT_KEY = [*KEY, "USE_TMA"]
 
 
 def smem_limit(t: torch.Tensor) -> int | None:

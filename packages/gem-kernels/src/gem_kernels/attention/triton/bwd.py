@@ -1,5 +1,4 @@
-"""Backward Triton kernels of jagged attention: dQ (and delta) first, then dK/dV; no atomics (the dK/dV loop
-also serves the single-pass backward, which adds dQ atomically: :mod:`.attention_bwd_single`).
+"""Backward Triton kernels of jagged attention: dQ (and delta) first, then dK/dV; no atomics.
 
 See :mod:`.common` for the layout and the band. Softmax: ``P = exp(S - lse)``,
 ``dS = P * (dO V^T - delta)``. GDPA: ``dS = out_scale * (dO V^T) * act'(S)``. Then ``dQ = qk_scale dS K``,
@@ -98,16 +97,12 @@ def dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets,
 
 
 @triton.jit
-def dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh, stride_ot,
-               stride_oh, offs_n, offs_d, offs_dv, len_q, lo, hi, left, right, s_scale, dq_scale,
+def dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh, stride_ot,
+               stride_oh, offs_n, offs_d, offs_dv, len_q, lo, hi, left, right, s_scale,
                ACT: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, ATOMIC_DQ: tl.constexpr):
-    """Accumulate ``P^T dO`` into ``dv`` and ``dS^T Q`` into ``dk`` over query tiles ``[lo, hi)``.
-
-    ``ATOMIC_DQ`` (the single-pass backward, :mod:`.attention_bwd_single`): also add ``dq_scale * dS K`` of
-    each tile atomically into ``DQ``, fp32 ``[total_q, H, D]`` contiguous. Without it ``DQ`` and
-    ``dq_scale`` are not read and the generated code is the dK/dV kernel's alone."""
+               PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    """Accumulate ``P^T dO`` into ``dv`` and ``dS^T Q`` into ``dk`` over query tiles ``[lo, hi)``."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         qt_ptrs = Q + (q_start + offs_m[None, :]) * stride_qt + h * stride_qh + offs_d[:, None]  # [BD, BM]
@@ -124,42 +119,31 @@ def dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_
                                   right, ACT, MASK, FAST_ACT)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PRECISION)
-        if ATOMIC_DQ:
-            # This key tile's share of dQ [BM, BD]; rows past the sequence belong to the next one: masked.
-            dq = tl.dot(tl.trans(dst.to(qt.dtype)), k, input_precision=PRECISION)
-            dq_ptrs = DQ + (q_start + offs_m[:, None]) * (n_heads * D) + h * D + offs_d[None, :]
-            dq_ok = offs_d[None, :] < D
-            if MASK:
-                dq_ok = dq_ok & (offs_m[:, None] < len_q)
-            tl.atomic_add(dq_ptrs, dq * dq_scale, mask=dq_ok, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def dkdv_band(k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh, stride_ot, stride_oh,
-              offs_n, offs_d, offs_dv, start_n, len_q, left, right, s_scale, dq_scale,
+def dkdv_band(k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh, stride_ot, stride_oh,
+              offs_n, offs_d, offs_dv, start_n, len_q, left, right, s_scale,
               ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
-              FAST_ACT: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+              FAST_ACT: tl.constexpr):
     """Unscaled fp32 ``dk`` ``[BLOCK_N, BLOCK_D]`` and ``dv`` ``[BLOCK_N, BLOCK_DV]`` of the key tile at
     ``start_n`` over every query tile that sees it: :func:`dkdv_tiles` on the masked tiles at each edge of
-    the band and on the full tiles between them (with ``ATOMIC_DQ``, adding their dQ shares too)."""
+    the band and on the full tiles between them."""
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # Query i sees key j iff j - right <= i <= j + left: the band seen from the key side.
     lo, full_lo, full_hi, hi = band_ranges(start_n, len_q, right, left, BLOCK_N, BLOCK_M)
-    dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh,
+    dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh,
                         stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, lo, full_lo, left, right,
-                        s_scale, dq_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
-                        ATOMIC_DQ)
-    dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh,
+                        s_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
+    dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh,
                         stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_lo, full_hi, left, right,
-                        s_scale, dq_scale, ACT, False, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
-                        ATOMIC_DQ)
-    dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, q_start, h, n_heads, stride_qt, stride_qh,
+                        s_scale, ACT, False, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
+    dk, dv = dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh,
                         stride_ot, stride_oh, offs_n, offs_d, offs_dv, len_q, full_hi, hi, left, right,
-                        s_scale, dq_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
-                        ATOMIC_DQ)
+                        s_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
     return dk, dv
 
 
@@ -185,10 +169,9 @@ def dkdv_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offsets,
         k = load_rows(K, kv_start, offs_n, col_ok, h, stride_kt, stride_kh, offs_d, D)
         v = load_rows(V, kv_start, offs_n, col_ok, h, stride_vt, stride_vh, offs_dv, DV)
         s_scale = score_scale(qk_scale, ACT)
-        # DK and 1.0 fill the places of DQ and dq_scale, which are not read without ATOMIC_DQ.
-        dk, dv = dkdv_band(k, v, Q, DO, LSE, DELTA, DK, q_start, h, n_heads, stride_qt, stride_qh, stride_ot,
-                           stride_oh, offs_n, offs_d, offs_dv, start_n, len_q, left, right, s_scale, 1.0, ACT,
-                           D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, False)
+        dk, dv = dkdv_band(k, v, Q, DO, LSE, DELTA, q_start, h, n_heads, stride_qt, stride_qh, stride_ot,
+                           stride_oh, offs_n, offs_d, offs_dv, start_n, len_q, left, right, s_scale, ACT, D,
+                           DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT)
         if ACT == 0:
             dk = dk * qk_scale
         else:

@@ -14,7 +14,6 @@ column ``h*D``). A descriptor cannot stop at a sequence's end, so a tile's rows 
 next sequence's rows (or zeros past the tensor): every such row or column is already excluded by the
 existing masks (``tl.where`` on the scores and probabilities, masked stores and row-statistic loads),
 which are kept exactly as in the pointer kernels. Outputs are stored through masked pointers.
-``WS`` asks for automatic warp specialization of the inner loop (``tl.range(warp_specialize=...)``).
 """
 
 # fmt: off
@@ -82,9 +81,9 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh
                offs_m, len_kv, lo, hi, left, right, qk_scale,
                ACT: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr):
+               PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr):
     """Key tiles ``[lo, hi)`` into ``acc`` ``[BM, BDV]`` (as :func:`.fwd._fwd_tiles`)."""
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _tile(K, kd, kv_start, start_n, len_kv, h, stride_kt, stride_kh, D, BLOCK_N, BLOCK_D, MASK,
                   USE_TMA)
@@ -104,7 +103,7 @@ def fwd_persistent_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets, tiles, count
                            ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
-                           USE_TMA: tl.constexpr, WS: tl.constexpr):
+                           USE_TMA: tl.constexpr):
     """Programs loop over the (query tile, head) items of ``tiles``: ``Out`` ``[total_q, H, DV]``, ``LSE``."""
     qd = _descriptor(Q, total_q, stride_qt, n_heads, D, BLOCK_M, BLOCK_D, USE_TMA)
     kd = _descriptor(K, total_kv, stride_kt, n_heads, D, BLOCK_N, BLOCK_D, USE_TMA)
@@ -125,16 +124,14 @@ def fwd_persistent_kernel(Q, K, V, Out, LSE, q_offsets, kv_offsets, tiles, count
         lo, full_lo, full_hi, hi = band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh,
                                    stride_vt, stride_vh, offs_m, len_kv, lo, full_lo, left, right, s_scale,
-                                   ACT, True, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA,
-                                   WS)
+                                   ACT, True, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh,
                                    stride_vt, stride_vh, offs_m, len_kv, full_lo, full_hi, left, right,
                                    s_scale, ACT, False, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION,
-                                   FAST_ACT, USE_TMA, WS)
+                                   FAST_ACT, USE_TMA)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, kd, vd, kv_start, h, stride_kt, stride_kh,
                                    stride_vt, stride_vh, offs_m, len_kv, full_hi, hi, left, right, s_scale,
-                                   ACT, True, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA,
-                                   WS)
+                                   ACT, True, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA)
         acc = fwd_finish(acc, m_i, l_i, LSE, q_start, offs_m, row_ok, h, n_heads, out_scale, ACT)
         store_rows(Out, acc, q_start, offs_m, row_ok, h, stride_ot, stride_oh, offs_dv, DV)
         w = _next_item(counter)
@@ -148,9 +145,9 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stri
               offs_m, len_kv, lo, hi, left, right, s_scale,
               ACT: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr):
+              PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr):
     """``dS K`` over key tiles ``[lo, hi)`` into ``dq`` ``[BM, BD]`` (as :func:`.bwd._dq_tiles`)."""
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _tile(K, kd, kv_start, start_n, len_kv, h, stride_kt, stride_kh, D, BLOCK_N, BLOCK_D, MASK,
                   USE_TMA)
@@ -171,7 +168,7 @@ def dq_persistent_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets
                           ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
-                          USE_TMA: tl.constexpr, WS: tl.constexpr):
+                          USE_TMA: tl.constexpr):
     """Programs loop over (query tile, head) items: ``DQ``, and for softmax ``DELTA = rowsum(dO * O)``."""
     qd = _descriptor(Q, total_q, stride_qt, n_heads, D, BLOCK_M, BLOCK_D, USE_TMA)
     dod = _descriptor(DO, total_q, stride_ot, n_heads, DV, BLOCK_M, BLOCK_DV, USE_TMA)
@@ -199,13 +196,13 @@ def dq_persistent_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, q_offsets, kv_offsets
         lo, full_lo, full_hi, hi = band_ranges(start_m, len_kv, left, right, BLOCK_M, BLOCK_N)
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stride_kh, stride_vt,
                        stride_vh, offs_m, len_kv, lo, full_lo, left, right, s_scale, ACT, True, D, DV,
-                       BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA, WS)
+                       BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA)
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stride_kh, stride_vt,
                        stride_vh, offs_m, len_kv, full_lo, full_hi, left, right, s_scale, ACT, False, D, DV,
-                       BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA, WS)
+                       BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA)
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, kd, vd, kv_start, h, stride_kt, stride_kh, stride_vt,
                        stride_vh, offs_m, len_kv, full_hi, hi, left, right, s_scale, ACT, True, D, DV,
-                       BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA, WS)
+                       BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT, USE_TMA)
         store_rows(DQ, dq * dq_scale, q_start, offs_m, row_ok, h, n_heads * D, D, offs_d, D)
         w = _next_item(counter)
 
@@ -218,10 +215,10 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, s
                 stride_ot, stride_oh, offs_n, len_q, lo, hi, left, right, s_scale,
                 ACT: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr):
+                PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, USE_TMA: tl.constexpr):
     """``P^T dO`` into ``dv``, ``dS^T Q`` into ``dk`` over query tiles ``[lo, hi)`` (as
     :func:`.bwd.dkdv_tiles`)."""
-    for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
+    for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _tile(Q, qd, q_start, start_m, len_q, h, stride_qt, stride_qh, D, BLOCK_M, BLOCK_D, MASK, USE_TMA)
         do = _tile(DO, dod, q_start, start_m, len_q, h, stride_ot, stride_oh, DV, BLOCK_M, BLOCK_DV, MASK,
@@ -243,7 +240,7 @@ def dkdv_persistent_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offse
                             ACT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
-                            USE_TMA: tl.constexpr, WS: tl.constexpr):
+                            USE_TMA: tl.constexpr):
     """Programs loop over (key tile, head) items: ``DK`` and ``DV_``, each looping over its query tiles."""
     qd = _descriptor(Q, total_q, stride_qt, n_heads, D, BLOCK_M, BLOCK_D, USE_TMA)
     dod = _descriptor(DO, total_q, stride_ot, n_heads, DV, BLOCK_M, BLOCK_DV, USE_TMA)
@@ -270,15 +267,15 @@ def dkdv_persistent_kernel(Q, K, V, DO, DK, DV_, LSE, DELTA, q_offsets, kv_offse
         dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, stride_qt,
                              stride_qh, stride_ot, stride_oh, offs_n, len_q, lo, full_lo, left, right,
                              s_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
-                             USE_TMA, WS)
+                             USE_TMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, stride_qt,
                              stride_qh, stride_ot, stride_oh, offs_n, len_q, full_lo, full_hi, left, right,
                              s_scale, ACT, False, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
-                             USE_TMA, WS)
+                             USE_TMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, qd, dod, LSE, DELTA, q_start, h, n_heads, stride_qt,
                              stride_qh, stride_ot, stride_oh, offs_n, len_q, full_hi, hi, left, right,
                              s_scale, ACT, True, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION, FAST_ACT,
-                             USE_TMA, WS)
+                             USE_TMA)
         store_rows(DK, dk * dk_scale, kv_start, offs_n, col_ok, h, n_heads * D, D, offs_d, D)
         store_rows(DV_, dv * dv_scale, kv_start, offs_n, col_ok, h, n_heads * DV, DV, offs_dv, DV)
         w = _next_item(counter)

@@ -5,9 +5,8 @@ built on the device and cached per offsets tensor, so the forward and dQ share o
 through TMA descriptors where :func:`..variants.tma_supported` holds (compute capability >= 9 or the
 interpreter, which emulates descriptors; head dims that are powers of two >= 16; heads packed in rows;
 16-byte aligned rows), else through pointers. ``auto`` runs them where
-:func:`..variants.auto_persistent_variant` says they measured faster. The kernels' ``WS`` flag (automatic
-warp specialization of the inner loops) stays off: its variant, ``tma_ws``, built no partition on sm_90
-and was removed (BENCHMARKS.md, "Removed variants").
+:func:`..variants.auto_persistent_variant` says they measured faster. (Warp specialization of the inner
+loops, the removed ``tma_ws`` variant, built no partition on sm_90: BENCHMARKS.md, "Removed variants".)
 
 Each kernel's outer tile is fixed (:data:`..variants.PERSISTENT_OUTER_TILE` rows; the schedule depends on
 it, so it cannot be autotuned with the rest): the autotuner (:mod:`.autotuners`) picks the inner tile,
@@ -80,9 +79,9 @@ def _run(name: str, tuned: Any, raw: Any, outer: torch.Tensor, inner: torch.Tens
 
 
 def kernel_consts(consts: Consts, *tensors: torch.Tensor) -> Consts:
-    """The launcher's constexprs plus ``USE_TMA`` (where :func:`..variants.tma_supported` holds for
-    ``tensors``) and ``WS`` (off)."""
-    return {**consts, "USE_TMA": variants.tma_supported(*tensors), "WS": False}
+    """The launcher's constexprs plus ``USE_TMA``: where :func:`..variants.tma_supported` holds for
+    ``tensors``."""
+    return {**consts, "USE_TMA": variants.tma_supported(*tensors)}
 
 
 def attention_fwd(
