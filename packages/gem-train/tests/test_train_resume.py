@@ -131,9 +131,11 @@ def test_resume_on_other_data_is_refused_unless_allowed_and_the_history_keeps_bo
     assert "train.steps: 2 -> 3 (the run continues" in err
     start, resume = _history(run)
     assert start["event"] == "start" and start["config"]["data"]["parquet"]["root"] == str(a)
-    assert resume["event"] == "resume" and resume["step"] == 2 and resume["allow_change"] == [
-        "data.parquet.root"
-    ]
+    assert (
+        resume["event"] == "resume"
+        and resume["step"] == 2
+        and resume["allow_change"] == ["data.parquet.root"]
+    )
     assert resume["allowed"] == [{"key": "data.parquet.root", "old": str(a), "new": str(b)}]
     assert resume["config"]["data"]["parquet"]["root"] == str(b) and "data_identity" in resume
     assert (run / "config.toml").read_bytes() == first_config  # the run's first config, kept
@@ -149,7 +151,8 @@ def test_resume_on_other_data_is_refused_unless_allowed_and_the_history_keeps_bo
     assert "rows 160 -> 170, footer differs)" in err and "(--allow-change data.parquet.train)" in err
     assert len(_history(run)) == 2
     assert main(["train", "--resume", str(run), "--allow-change", "data.parquet.train", "train.steps=4"]) == 0
-    assert "allowed (--allow-change): data.parquet.train: files differ: rows 160 -> 170" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "allowed (--allow-change): data.parquet.train: files differ: rows 160 -> 170" in err
     assert [e["step"] for e in _history(run)] == [0, 2, 3]
 
 
@@ -177,7 +180,7 @@ def test_a_changed_setting_is_refused_and_a_longer_run_is_not(tmp_path, small_co
     # A changed architecture: refused by name; allowed, the checkpoint still does not load into it.
     with pytest.raises(ConfigError, match=r"model.overrides.n_layers: 1 -> 2"):
         Trainer(small_config(tmp_path, "model.overrides.n_layers=2"), resume=ckpt)
-    with pytest.raises(CheckpointError, match="cannot load checkpoint .* into this model"):
+    with pytest.raises(CheckpointError, match=r"cannot load checkpoint .* into this model"):
         Trainer(small_config(tmp_path, "model.overrides.n_layers=2"), resume=ckpt, allow_changes=["model"])
     assert len(read_history(first.run_dir)) == 1  # refusals wrote nothing
     capsys.readouterr()
@@ -221,7 +224,8 @@ def test_resume_latest_says_which_run_and_why(tmp_path, small_config, capsys):
     capsys.readouterr()
     Trainer(small_config(tmp_path, "train.steps=2"), resume="latest")
     err = capsys.readouterr().err
-    assert err.index(f"gem-train: {note}") < err.index(f"gem-train: resuming {first.run_dir.name} from step 1")
+    resuming = f"gem-train: resuming {first.run_dir.name} from step 1"
+    assert err.index(f"gem-train: {note}") < err.index(resuming)
 
 
 def test_no_effect_keys_name_real_settings(small_config, tmp_path):
@@ -256,15 +260,42 @@ def test_the_footer_digest_is_the_footer_pyarrow_wrote(tmp_path):
 
 
 def test_identity_differences_of_the_built_in_sources():
-    ml = {"source": "movielens-100k", "settings": {}, "content": {"events_sha256": "aa", "rows": {"train": 9}}}
-    other = {**ml, "content": {"events_sha256": "bb", "rows": {"train": 9}}}
+    rows = {"train": 9}
+    ml = {"source": "movielens-100k", "settings": {}, "content": {"events_sha256": "aa", "rows": rows}}
+    other = {**ml, "content": {"events_sha256": "bb", "rows": rows}}
     assert identity_differences(ml, ml) == []
     (d,) = identity_differences(ml, other)
-    assert d == DataDifference("data.movielens", 'events_sha256 "aa" -> "bb"', ("data.source", "data.movielens"))
+    locators = ("data.source", "data.movielens")
+    assert d == DataDifference("data.movielens", 'events_sha256 "aa" -> "bb"', locators)
     syn = {"source": "synthetic", "settings": {"seed": 0}, "content": {}}
     assert identity_differences(syn, {**syn, "settings": {"seed": 1}}) == []  # the config comparison's job
     (d,) = identity_differences(syn, ml)
     assert d.key == "data.source" and d.detail == 'the data source "synthetic" -> "movielens-100k"'
+
+
+def test_movielens_identity_is_its_events(tmp_path):
+    from gem_train.config import MovieLensConfig
+    from gem_train.data.movielens import MovieLens100K, read_movielens_100k
+
+    (tmp_path / "ml-100k.user").write_text(
+        "user_id:token\tage:token\tgender:token\toccupation:token\tzip_code:token\n1\t24\tM\tx\t85711\n"
+    )
+    (tmp_path / "ml-100k.item").write_text(
+        "item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq\n1\tA\t1995\tDrama\n"
+        "2\tB\t1990\tAction\n"
+    )
+    inter = "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+    rows = [f"1\t{1 + k % 2}\t{1 + k % 5}\t{10 * k}\n" for k in range(8)]
+    (tmp_path / "ml-100k.inter").write_text(inter + "".join(rows))
+    cfg = MovieLensConfig(valid_fraction=0.0)
+    one = MovieLens100K(cfg, events=read_movielens_100k(tmp_path)).data_identity()
+    assert one == MovieLens100K(cfg, events=read_movielens_100k(tmp_path)).data_identity()  # stable
+    assert one["content"]["files"] is None and one["content"]["rows"] == {"train": 7, "valid": 0, "test": 1}
+    rows[3] = "1\t2\t5\t30\n"  # one rating changed
+    (tmp_path / "ml-100k.inter").write_text(inter + "".join(rows))
+    other = MovieLens100K(cfg, events=read_movielens_100k(tmp_path)).data_identity()
+    (d,) = identity_differences(one, other)
+    assert d.key == "data.movielens" and d.detail.startswith("events_sha256 ")
 
 
 def test_the_history_is_appended_whole_lines_after_a_torn_one(tmp_path):
