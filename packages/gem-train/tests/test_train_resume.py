@@ -228,6 +228,38 @@ def test_resume_latest_says_which_run_and_why(tmp_path, small_config, capsys):
     assert err.index(f"gem-train: {note}") < err.index(resuming)
 
 
+def test_check_resume_prefixes_suggestions_and_an_old_checkpoint(small_config, tmp_path):
+    """The comparison alone (no training): a prefix allows its subkeys, the refusal suggests the fewest
+    flags, and a checkpoint without a data identity (an older gem-train) is said, not refused."""
+    from gem_train.config import config_to_dict
+    from gem_train.loop.resume_check import check_resume
+
+    old = small_config(tmp_path)
+    ident = {"source": "synthetic", "settings": {}, "content": {}}
+    state = {"step": 7, "config": config_to_dict(old), "data_identity": ident}
+    ckpt = tmp_path / "r-20260101-000000" / "checkpoints" / "step_00000007"
+    new = small_config(tmp_path, "optim.lr=0.5", "optim.weight_decay=0.5", "run.seed=3", "data.num_workers=2")
+    with pytest.raises(ConfigError) as e:
+        check_resume(state, new, ident, ["optim.lr"], ckpt)
+    msg = str(e.value)
+    assert msg.startswith("cannot resume r-20260101-000000 from step 7 (") and "2 difference(s)" in msg
+    assert "\n  optim.weight_decay: 0.01 -> 0.5\n  run.seed: 0 -> 3\n" in msg and "optim.lr:" not in msg
+    assert "(--allow-change optim.weight_decay --allow-change run.seed)" in msg
+    plan = check_resume(state, new, ident, ["optim", "run.seed"], ckpt)
+    assert [c.key for c in plan.allowed] == ["optim.lr", "optim.weight_decay", "run.seed"]
+    assert [c.key for c in plan.no_effect] == ["data.num_workers"] and plan.changes_optimizer
+    plan = check_resume({"step": 7, "config": config_to_dict(old)}, old, ident, [], ckpt)
+    assert "records no data identity" in plan.message() and not plan.allowed
+    # A data difference explained by an allowed change of what locates the data; else refused by its key.
+    other = {"source": "movielens-100k", "settings": {}, "content": {}}
+    ml = small_config(tmp_path, "data.source=movielens-100k")
+    with pytest.raises(ConfigError, match=r"data.source: \"synthetic\" -> \"movielens-100k\""):
+        check_resume(state, ml, other, [], ckpt)
+    assert [d.key for d in check_resume(state, ml, other, ["data.source"], ckpt).data_allowed] == [
+        "data.source"
+    ]
+
+
 def test_no_effect_keys_name_real_settings(small_config, tmp_path):
     """Every key of the no-effect table is a setting of the config (a renamed key would silently turn into
     one that needs allowing)."""
