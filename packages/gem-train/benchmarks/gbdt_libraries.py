@@ -5,6 +5,8 @@ For every seed the features are built once (:mod:`gem_train.baselines.gbdt_matri
 early stopping on the validation split, and its point of lowest validation NE is reported on the test split
 (nothing is chosen on test). Prints one table per library (validation NE of every grid point, mean over the
 seeds) and the chosen models' validation / test NE and AUC (mean ± std); writes ``<out>/gbdt_libraries.json``.
+XGBoost and scikit-learn are gem-train's own fitters (:mod:`gem_train.baselines.gbdt_fit`, the ``gbdt``
+extra); LightGBM's, below, needs ``pip install lightgbm``.
 
     uv run --no-sync python packages/gem-train/benchmarks/gbdt_libraries.py --seeds 0 --lr 0.03 0.1 \
         --leaves 15 31 63 --min-leaf 50 200
@@ -23,7 +25,30 @@ from typing import Any
 
 import numpy as np
 
-LIBRARIES = ("lightgbm", "xgboost", "sklearn")
+LIBRARIES = ("xgboost", "lightgbm", "sklearn")
+
+
+def _lightgbm(x, y, xv, yv, cat, p, max_trees, patience, seed, threads):  # type: ignore[no-untyped-def]
+    """LightGBM with the grid point's meaning of :mod:`gem_train.baselines.gbdt_fit` (a Fitter)."""
+    import lightgbm as lgb
+
+    from gem_train.baselines.gbdt_fit import Fitted
+
+    params = {
+        "objective": "binary", "metric": "binary_logloss", "learning_rate": p.learning_rate,
+        "num_leaves": p.leaves, "min_data_in_leaf": p.min_leaf, "lambda_l2": p.l2, "max_depth": -1,
+        "num_threads": threads, "seed": seed, "deterministic": True, "force_row_wise": True, "verbose": -1,
+    }  # fmt: skip
+    train = lgb.Dataset(x, y, categorical_feature=cat or "auto", free_raw_data=False)
+    valid = lgb.Dataset(xv, yv, reference=train, categorical_feature=cat or "auto")
+    evals: dict[str, Any] = {}
+    booster = lgb.train(
+        params, train, num_boost_round=max_trees, valid_sets=[valid], valid_names=["valid"],
+        callbacks=[lgb.early_stopping(patience, verbose=False), lgb.record_evaluation(evals)],
+    )  # fmt: skip
+    k = int(booster.best_iteration) or booster.current_iteration()
+    loss = float(evals["valid"]["binary_logloss"][k - 1])
+    return Fitted(p, k, loss, lambda a: np.asarray(booster.predict(a, num_iteration=k), np.float64))
 
 
 def _grid(lrs: list[float] | None, leaves: list[int] | None, min_leaf: list[int] | None) -> tuple[Any, ...]:
@@ -46,7 +71,9 @@ def _seed(
     config: str, overrides: list[str], seed: int, libraries: list[str], grid: tuple[Any, ...], encoding: str
 ) -> dict:
     from gem_train.baselines.gbdt_features import FeatureOptions
-    from gem_train.baselines.gbdt_fit import fit_on_validation
+    from gem_train.baselines.gbdt_fit import FITTERS, fit_on_validation
+
+    FITTERS.setdefault("lightgbm", _lightgbm)
     from gem_train.baselines.gbdt_matrix import GbdtFeatureBuilder
     from gem_train.config import load_config
     from gem_train.gbdt import build_gbdt_source, like_action

@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("mlp", "gbdt"),
         default="mlp",
         help="mlp: the plain MLP (model.arch=mlp, trained like GEM); gbdt: gradient-boosted trees on causal "
-        "features (model.gbdt.library, LightGBM by default: the gbdt extra), trees chosen on validation",
+        "features (model.gbdt.library, XGBoost by default: the gbdt extra), trees chosen on validation",
     )
     b.add_argument("overrides", nargs="*", help=ov_help)
 
