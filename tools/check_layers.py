@@ -21,6 +21,7 @@ IMPORT_NAMES: dict[str, tuple[str, ...]] = {
     "fbgemm-gpu": ("fbgemm_gpu",),
     "fbgemm-gpu-cpu": ("fbgemm_gpu",),
     "scikit-learn": ("sklearn",),
+    "xgboost-cpu": ("xgboost",),
     "pyyaml": ("yaml",),
 }
 

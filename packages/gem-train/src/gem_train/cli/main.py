@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("mlp", "gbdt"),
         default="mlp",
         help="mlp: the plain MLP (model.arch=mlp, trained like GEM); gbdt: gradient-boosted trees on causal "
-        "features (scikit-learn, the gbdt extra), trees chosen on validation",
+        "features (model.gbdt.library, XGBoost by default: the gbdt extra), trees chosen on validation",
     )
     b.add_argument("overrides", nargs="*", help=ov_help)
 
@@ -172,11 +172,10 @@ def _train(cfg: TrainConfig, resume: str | None, allow_changes: list[str] | None
 
 
 def _gbdt(cfg: TrainConfig) -> int:
-    from gem_train.evaluation.baselines.gbdt import run_gbdt, write_gbdt_result
-    from gem_train.loop.build import build_source
+    from gem_train.evaluation.baselines.gbdt import build_gbdt_source, run_gbdt, write_gbdt_result
     from gem_train.loop.run_dir import create_run_dir
 
-    source = build_source(cfg)
+    source = build_gbdt_source(cfg)
     result = run_gbdt(cfg, source)
     run = create_run_dir(cfg.run.out_dir, f"{cfg.run.name}-gbdt")
     path = write_gbdt_result(result, run.root)
