@@ -98,7 +98,7 @@ class ToyConfig:
     @property
     def n_tokens(self) -> int:
         """Tokens of ``x``: one dense token, one per pooled feature, one per extra sequence feature."""
-        return 1 + len(self.bag_features) + len(self.sequence_features) - 1
+        return 1 + len(self.bag_features) + (len(self.sequence_features) - 1)
 
 
 @dataclass
