@@ -44,7 +44,7 @@ def _max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # inductor compiles both layer kinds, twice: ~2 min idle, over 5 on a loaded machine
+@pytest.mark.timeout(900)  # inductor compiles both layer kinds twice: ~2 min idle, 8 on a loaded machine
 @pytest.mark.skipif(not has_region_budgets(), reason="per-region budgets need torch >= 2.13")
 def test_budget_on_gem_model():
     # ~2 min on the CPU (inductor compiles both layer kinds twice): the GEM layers under a 0.3 budget.
