@@ -30,7 +30,12 @@ LIBRARIES = ("xgboost", "lightgbm", "sklearn")
 
 def _lightgbm(x, y, xv, yv, cat, p, max_trees, patience, seed, threads):  # type: ignore[no-untyped-def]
     """LightGBM with the grid point's meaning of :mod:`gem_train.evaluation.baselines.gbdt_fit` (a Fitter)."""
-    import lightgbm as lgb
+    try:
+        import lightgbm as lgb
+    except ImportError:
+        raise SystemExit(
+            "gbdt_libraries.py: LightGBM is not a gem dependency: pip install lightgbm"
+        ) from None
 
     from gem_train.evaluation.baselines.gbdt_fit import Fitted
 

@@ -1,4 +1,6 @@
-"""Run a function on several CPU processes over gloo, with a deadline: the multi-process test harness.
+"""Testing aids: the multi-process test harness (here) and a toy model (:mod:`.toy_model`).
+
+Run a function on several CPU processes over gloo, with a deadline: the multi-process test harness.
 
 Each rank is a fresh ``python -m gem_parallel.testing`` subprocess (no fork of a process that already holds
 torch threads; no pickling of test functions). The target is named by file and function, so test modules
@@ -240,7 +242,3 @@ def _worker_main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-if __name__ == "__main__":
-    raise SystemExit(_worker_main())

@@ -1,5 +1,9 @@
 """Memory and communication model of 1D, 2D and fully sharded 2D embedding sharding, per rank and per step.
 
+Benchmark code (``sparse_memory.py`` evaluates it at scale and against measurements); tests/test_sparse.py
+and tests/test_sparse_plan.py check it. It was ``gem_parallel.sparse.memory`` until nothing in the package
+used it.
+
 Counted as :class:`gem_parallel.CollectiveBytes` counts (so a measurement reads the same quantity): an
 all-to-all by the tensor a rank sends (its own part included), a reduce-scatter by its input, an all-gather
 by its output, an all-reduce by its tensor (a ring moves ``2 (n-1)/n`` of that over the wire).

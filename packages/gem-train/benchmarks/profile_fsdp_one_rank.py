@@ -4,7 +4,11 @@ Variants (comma-separated first argument): ``unwrapped``, ``fsdp`` (every unit),
 (``reshard_after_forward=False``), ``fsdp_emb_ignored`` (embedding tables outside FSDP) and
 ``fsdp_emb_ignored_no_reshard``. GPU only::
 
-    python3 packages/gem-parallel/benchmarks/profile_fsdp_one_rank.py unwrapped,fsdp --out DIR
+    python3 packages/gem-train/benchmarks/profile_fsdp_one_rank.py unwrapped,fsdp --out DIR
+
+It measures gem-parallel's mechanisms on GEM, so it lives with gem-train (which may import every package);
+it was ``packages/gem-parallel/benchmarks/profile_fsdp_one_rank.py``.
+Results: ``packages/gem-parallel/BENCHMARKS.md``.
 """
 
 from __future__ import annotations

@@ -19,10 +19,14 @@ Every model runs in a one-rank process group (nccl on CUDA, gloo on the CPU), th
 Times are medians of ``--steps`` steps after ``--warmup`` steps (the first compiles / autotunes).
 
 Usage (H200; PYTHONPATH must hold packages/*/src; ~5-6 min for all parts at the defaults):
-    python packages/gem-parallel/benchmarks/bench_parallel.py --out $OUT
-    python packages/gem-parallel/benchmarks/bench_parallel.py --parts fsdp,all-gather --out $OUT
+    python packages/gem-train/benchmarks/bench_parallel.py --out $OUT
+    python packages/gem-train/benchmarks/bench_parallel.py --parts fsdp,all-gather --out $OUT
 Smoke test of the script on a CPU (tiny config, seconds):
-    python packages/gem-parallel/benchmarks/bench_parallel.py --smoke --out /tmp/bench
+    python packages/gem-train/benchmarks/bench_parallel.py --smoke --out /tmp/bench
+
+It measures gem-parallel's mechanisms on GEM, so it lives with gem-train (which may import every package);
+it was ``packages/gem-parallel/benchmarks/bench_parallel.py``.
+Results: ``packages/gem-parallel/BENCHMARKS.md``.
 """
 
 from __future__ import annotations

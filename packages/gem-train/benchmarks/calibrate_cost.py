@@ -11,10 +11,14 @@ autotune for its shapes), then ``--repeats`` times timed; its time is the median
 ``packages/gem-parallel/src/gem_parallel/balance/data/cost_default.json``.
 
 Usage (H200, ~1-2 min; PYTHONPATH must hold packages/*/src):
-    python packages/gem-parallel/benchmarks/calibrate_cost.py --config base --batch-size 256 --out $OUT
+    python packages/gem-train/benchmarks/calibrate_cost.py --config base --batch-size 256 --out $OUT
 CPU check of the script (tiny config, ~1 min):
-    python packages/gem-parallel/benchmarks/calibrate_cost.py --config tiny --batch-size 64 --batches 12 \
+    python packages/gem-train/benchmarks/calibrate_cost.py --config tiny --batch-size 64 --batches 12 \
         --repeats 2 --out /tmp/cal
+
+It measures gem-parallel's mechanisms on GEM, so it lives with gem-train (which may import every package);
+it was ``packages/gem-parallel/benchmarks/calibrate_cost.py``.
+Results: ``packages/gem-parallel/BENCHMARKS.md``.
 """
 
 from __future__ import annotations
