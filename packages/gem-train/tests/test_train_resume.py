@@ -147,12 +147,12 @@ def test_resume_on_other_data_is_refused_unless_allowed_and_the_history_keeps_bo
     assert main(["train", "--resume", str(run), "train.steps=4"]) == 2
     err = capsys.readouterr().err
     rewritten = str((b / "train" / "a.parquet").resolve())
-    assert f"data.parquet.train: files differ: rows 160 -> 170; rewritten: {rewritten} (size " in err
+    assert f"data.parquet.train: files differ: rows 144 -> 153; rewritten: {rewritten} (size " in err
     assert "rows 160 -> 170, footer differs)" in err and "(--allow-change data.parquet.train)" in err
     assert len(_history(run)) == 2
     assert main(["train", "--resume", str(run), "--allow-change", "data.parquet.train", "train.steps=4"]) == 0
     err = capsys.readouterr().err
-    assert "allowed (--allow-change): data.parquet.train: files differ: rows 160 -> 170" in err
+    assert "allowed (--allow-change): data.parquet.train: files differ: rows 144 -> 153" in err
     assert [e["step"] for e in _history(run)] == [0, 2, 3]
 
 
