@@ -48,8 +48,10 @@ __all__ = [
 NO_SIGNAL_VALIDATIONS = 3  # validations in a row at NE >= 1, from the first, before the warning
 RISE = 0.05  # relative rise of validation NE (and fall of training NE) that counts as overfitting
 # Dense (non-embedding) parameters per training example above which the table is small for the model. The
-# tiny GEM model has ~95k dense parameters on a small own-data table: it learned nothing on 4,000 rows (24
-# per example) and beat the base rate on 20,000 (4.8 per example); BENCHMARKS.md has the measurements.
+# tiny GEM model has 72k dense parameters on benchmarks/own_data_size.py's table: at 40 and 20 per training
+# row (2,000 and 4,000 rows) it did not beat the base rate on validation, at 8 (10,000 rows) it was marginal
+# (validation NE 1.008, test 0.970), at 4 and 1.6 it learned (test NE 0.928, 0.917); BENCHMARKS.md, "How much
+# data a model needs". 10 sits between the failures and the runs that learned.
 PARAMS_PER_EXAMPLE = 10.0
 
 
@@ -91,7 +93,8 @@ def size_note(dense_params: int, embedding_params: int, rows: int | None, model:
         f"the training table is small for the model: {model} has {dense_params:,} dense parameters (plus "
         f"{embedding_params:,} in embedding tables) for {rows:,} training rows, {dense_params / rows:.1f} "
         f"per row (above {PARAMS_PER_EXAMPLE:g}: measured, such models memorise the table and do not beat "
-        f"the base rate). Use more rows (at least {math.ceil(dense_params / PARAMS_PER_EXAMPLE):,}), a "
+        "the base rate on validation). Use more rows (at least "
+        f"{math.ceil(dense_params / PARAMS_PER_EXAMPLE):,}), a "
         "smaller model (model.arch = 'mlp' with model.baseline.hidden = [], or smaller model.overrides: "
         "d_model, n_layers), and keep validation with early stopping on; `gem-train data inspect` suggests "
         "a size"
