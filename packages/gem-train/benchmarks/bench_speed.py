@@ -212,7 +212,17 @@ def run_recipe(
         from graph_steps import measure_cuda_graphs  # this folder (the script's) is on sys.path
 
         drain()
-        g = measure_cuda_graphs(run, batches, flops, args.steps, device)
+        try:
+            g = measure_cuda_graphs(run, batches, flops, args.steps, device)
+        except Exception as e:  # a capture that fails is a result: report it, keep the recipe's numbers
+            import traceback
+
+            out["cuda_graphs"] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
+            print(f"{recipe}: cuda graphs FAILED: {type(e).__name__}: {e}", flush=True)
+            return out
         g["speedup_vs_step"] = out["step_ms_mean"] / g["graph_ms"]
         g["padded_eager_vs_step"] = out["step_ms_mean"] / g["eager_padded_ms"]
         out["cuda_graphs"] = g

@@ -28,7 +28,9 @@ What the graph holds and why it composes:
 - data loading overlaps as before: batches arrive on the device one step ahead (``DevicePrefetcher``); the
   padding and the copies into the static inputs are a few small kernels before the replay;
 - FP8 weight casts cached by gem-precision are refreshed by a host-side check that a replay does not
-  run, so the cache is marked stale before each capture and the casts are part of the graph.
+  run, so the cache is marked stale before each capture and the casts are part of the graph;
+- autocast's cache of casted weights is off (``BuiltRun.autocast_cache``), as torch's CUDA-graph notes ask;
+- before a capture the eager steps' cached memory is released (``empty_cache``) for the graph pool.
 
 The CPU never uses graphs (there is nothing to capture): its steps, and resuming them, are unchanged.
 """
@@ -123,7 +125,8 @@ class GraphedSteps:
     Args:
         run: a one-process CUDA run whose optimizers skip on the device (``run.can_queue_steps``).
         ladder: the buckets; None learns them from the first ``ladder_batches`` batches.
-        warmup: eager padded steps per bucket before its capture (at least 1).
+        warmup: eager padded steps per bucket before its capture (0 only where every bucket's shapes already
+            ran: compiled, autotuned, the optimizers' state made).
         growth: the ladder's capacity ratio when it is learned.
     """
 
@@ -143,7 +146,7 @@ class GraphedSteps:
             raise ValueError("train.cuda_graphs needs optimizers that skip non-finite steps on the device")
         self.run = run
         self.ladder = ladder
-        self.warmup = max(1, warmup)
+        self.warmup = max(0, warmup)
         self.ladder_batches = ladder_batches
         self.growth = growth
         self.stats = GraphStats()
@@ -154,6 +157,7 @@ class GraphedSteps:
         self._lr = torch.tensor(run.cfg.optim.lr, dtype=torch.float32, device=run.device)
         for opt in run.optimizers:
             make_capturable(opt, self._lr)
+        run.autocast_cache = False
 
     # -- the CUDA-specific parts (a CPU test replaces them to check the bookkeeping) ------------------------
 
@@ -219,12 +223,14 @@ class GraphedSteps:
 
     def _capture(self, batch: GemBatch) -> _Graph:
         torch.cuda.synchronize(self.run.device)
+        torch.cuda.empty_cache()  # the eager steps' cached blocks go back, for the graph pool to take
         reserved = torch.cuda.memory_reserved(self.run.device)
         t0 = time.perf_counter()
         # Host-side decisions a replay would not repeat: make the FP8 weight casts part of the graph.
         invalidate_fp8_weights(self.run.model)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: other threads (the loader's pinning, a prefetcher) may use CUDA meanwhile.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             values, per_task = self.run.device_step(batch)
         torch.cuda.synchronize(self.run.device)
         self.stats.captures += 1

@@ -141,6 +141,8 @@ class BuiltRun:
     dense_params: list[nn.Parameter]
     autocast_dtype: torch.dtype | None
     peak_flops: float | None
+    # torch.autocast's cache of casted weights: off under CUDA graphs (as torch's graph docs ask).
+    autocast_cache: bool = True
 
     @property
     def built(self) -> BuiltModel:
@@ -179,7 +181,9 @@ class BuiltRun:
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(
+            device_type=self.device.type, dtype=self.autocast_dtype, cache_enabled=self.autocast_cache
+        )
 
     @property
     def can_queue_steps(self) -> bool:
