@@ -9,6 +9,7 @@
 #                old quantizer), fp8_rowwise GPU tests (the op changed: per-call roofline, cached weight casts)
 #     allgather  the 8-bit all-gather quantizer per round: fused vs old vs the bf16 cast (target <= 2x), sweep
 #     fp8layers  device rates and every GEMM of base-h200 / large-h200 in bf16 and FP8 against the roofline
+#     wsprobe    does this Triton's Hopper warp specialization take on the backward's loop shapes (compile only)
 #     base       bench_speed base-h200: bf16 vs fp8_rowwise (auto), compiled, cold caches; + CUDA graphs
 #     large      bench_speed large-h200: bf16 vs fp8_rowwise (auto), compiled, cold caches; MFU, memory
 # Parts that cannot finish before GEM37_DEADLINE_S (default 470 s after the start) are skipped and say so:
@@ -16,7 +17,7 @@
 #   bash tools/gpu_issue37.sh OUT_DIR2 large
 set -uo pipefail
 OUT=${1:?usage: bash tools/gpu_issue37.sh OUT_DIR [PARTS]}
-PARTS=${2:-tests,allgather,fp8layers,base,large}
+PARTS=${2:-tests,allgather,fp8layers,wsprobe,base,large}
 DEADLINE=${GEM37_DEADLINE_S:-470}
 START=$SECONDS
 mkdir -p "$OUT"
@@ -57,6 +58,7 @@ part tests 60 bash -c "python3 packages/gem-precision/tests/_triton_packed_check
 part allgather 60 python3 packages/gem-parallel/benchmarks/bench_all_gather_quant.py --config base --sweep \
   --out "$OUT/allgather"
 part fp8layers 90 python3 packages/gem-precision/benchmarks/bench_fp8_layers.py --out "$OUT/fp8layers"
+part wsprobe 30 python3 packages/gem-kernels/benchmarks/ws_probe_sm90.py
 part base 240 python3 packages/gem-train/benchmarks/bench_speed.py --config base-h200 --recipes bf16,fp8_rowwise \
   --steps 10 --distinct 3 --prefetch-steps 0 --profile-steps 0 --cuda-graphs --out "$OUT/base"
 part large 240 python3 packages/gem-train/benchmarks/bench_speed.py --config large-h200 --recipes bf16,fp8_rowwise \

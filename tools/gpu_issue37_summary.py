@@ -113,6 +113,9 @@ def main(root: str) -> None:
     for name in ("base", "large"):
         d = _load(base / name / "bench_speed.json")
         print("\n".join(speed(name, d)) if d else f"[{name}] no result")
+    ws = base / "wsprobe" / "log.txt"
+    if ws.exists():
+        print("[wsprobe] " + " | ".join(x.strip() for x in ws.read_text().splitlines() if x.strip()))
     log = base / "tests" / "log.txt"
     if log.exists():
         lines = [x for x in log.read_text().splitlines() if "FAIL" in x or "passed" in x or "failed" in x]
