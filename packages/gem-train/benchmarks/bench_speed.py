@@ -19,9 +19,10 @@ dynamic, caches in ``$GEM_COMPILE_CACHE`` or ``~/.cache/gem/compile``), then
   batches';
 - a profile of ``--profile-steps`` steps: the share of GPU time by kernel kind (GEMM, FP8 quantization,
   attention, inductor-fused, embeddings, copies, other);
-- with ``--cuda-graphs`` (CUDA): the same step padded to bucketed jagged sizes and replayed as one CUDA
-  graph per bucket, against the step above and the padded step launched kernel by kernel
-  (``benchmarks/graph_steps.py``).
+- with ``--cuda-graphs [RECIPES]`` (CUDA; default bf16): the same step padded to bucketed jagged sizes and
+  replayed as one CUDA graph per bucket, against the step above and the padded step launched kernel by kernel
+  (``benchmarks/graph_steps.py``). Put those recipes last in ``--recipes``: a capture that fails may leave
+  the device unusable for the recipes after it.
 
 Prints a table and writes ``DIR/bench_speed.json`` (rewritten after each recipe, so a run cut short keeps
 what it measured). On the CPU (``--config tiny``) it runs the same code with the ``aot_eager`` backend: a
@@ -208,7 +209,7 @@ def run_recipe(
     if args.profile_steps > 0:
         out["profile"] = profile(step, args.profile_steps, device)
         drain()
-    if args.cuda_graphs and device.type == "cuda":
+    if recipe in args.cuda_graphs.split(",") and device.type == "cuda":
         from graph_steps import measure_cuda_graphs  # this folder (the script's) is on sys.path
 
         drain()
@@ -349,8 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sync-each-step", action="store_true", help="synchronize after every timed step")
     p.add_argument(
         "--cuda-graphs",
-        action="store_true",
-        help="also the step replayed as CUDA graphs over bucketed jagged sizes (benchmarks/graph_steps.py)",
+        nargs="?",
+        const="bf16",
+        default="",
+        help="for these recipes (comma-separated; the flag alone: bf16), also the step replayed as CUDA "
+        "graphs over bucketed jagged sizes (benchmarks/graph_steps.py), after its other measurements",
     )
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     args = p.parse_args(argv)
