@@ -147,13 +147,14 @@ def test_dense_norm_standardises_the_batch_the_model_sees_and_not_the_callers():
     assert set(probe.state_dict()) == {"dense_norm.mean", "dense_norm.std"}
 
 
-@pytest.mark.parametrize("name", ["tiny-cpu", "base-h200"])
+@pytest.mark.parametrize("name", ["tiny-cpu", "base-h200", "large-h200"])
 def test_shipped_synthetic_configs_pass_the_checks_made_before_training(name):
     if name == "tiny-cpu":
         run = build_run(load_config(name), training=False)
         assert start_checks(run, fresh=True) == []
         return
-    # base-h200 needs CUDA for its model: its data is checked (the synthetic stream is endless: never small).
+    # base-h200 and large-h200 need CUDA for their models: their data is checked (the synthetic stream is
+    # endless: never small).
     from gem_train.evaluation.health import dense_note
     from gem_train.loop.build import build_source
     from gem_train.loop.dense_norm import measure_dense

@@ -94,6 +94,10 @@ def build_model_for(cfg: TrainConfig, spec: FeatureSpec, dist_info: DistInfo, *,
         module = parallelize(built.model, plan.dims, config=plan.config)
     except ValueError as e:  # raised on every rank before any collective
         raise ConfigError(toml_message(e)) from None
+    if cfg.precision.recipe != "none" and cfg.precision.cache_weight_casts and autocast_dtype is not None:
+        from gem_precision import cache_fp8_weights
+
+        cache_fp8_weights(built.model, autocast_dtype)  # refreshed by a pre-hook of the model's forward
     return Prepared(built, module, plan)
 
 
@@ -136,7 +140,7 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> BuiltRun:
     model = prepared.built.model
     peak = device_peak_flops(d.device, cfg.train.peak_flops)
     if not training:
-        return BuiltRun(cfg, d, source, prepared, [], [], autocast_dtype, peak, schedule)
+        return BuiltRun(cfg, d, source, prepared, [], [], autocast_dtype, peak, schedule=schedule)
     # The optimizers are built after parallelize, on the parameters as they are then (DTensors under FSDP2).
     dense = list(model.dense_parameters())
     sparse = list(model.sparse_parameters())
@@ -150,4 +154,4 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> BuiltRun:
     # The GEM model names its no-decay parameters (learned tokens); the MLP baseline has none beyond 1-D.
     no_decay = list(model.no_weight_decay_parameters()) if isinstance(model, GemModel) else []
     optimizers = build_optimizers(dense, sparse, cfg.optim, no_decay)
-    return BuiltRun(cfg, d, source, prepared, optimizers, dense, autocast_dtype, peak, schedule)
+    return BuiltRun(cfg, d, source, prepared, optimizers, dense, autocast_dtype, peak, schedule=schedule)

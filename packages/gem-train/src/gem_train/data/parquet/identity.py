@@ -145,7 +145,7 @@ def parquet_differences(old: dict[str, Any], new: dict[str, Any]) -> list[DataDi
             k = f"data.parquet.{key}"
             # With no valid files the validation split is cut from the training files by valid_fraction:
             # a change of either moves both splits' rows.
-            moved_by = ("data.source", "data.parquet.root", k, "data.parquet.valid_fraction")
+            moved_by: tuple[str, ...] = ("data.source", "data.parquet.root", k, "data.parquet.valid_fraction")
             moved_by += ("data.parquet.train",) if split == "valid" else ()
             out.append(DataDifference(k, _files_detail(x, y), moved_by))
     va, vb = a.get("vocab_files") or {}, b.get("vocab_files") or {}
