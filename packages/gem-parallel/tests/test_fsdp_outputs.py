@@ -26,7 +26,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dense_helpers import build_model, full, max_rel_diff, rank_slices, reference_loss, small_config
