@@ -437,10 +437,18 @@ def console_main() -> NoReturn:
 
         traceback.print_exc()
         code = 1
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+    if not _multi_rank():
         raise SystemExit(code)
     _flush_before_exit(code)
     os._exit(code)
+
+
+def _multi_rank() -> bool:
+    """Whether this process is one rank of several (torchrun's ``WORLD_SIZE``)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
 
 
 def _flush_before_exit(code: int) -> None:
