@@ -38,7 +38,7 @@ FILTERED_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
         r"FSDP2-wrapped module \(FSDPGemEmbeddings\) returned a view tensor",
         "with FSDP owning the tables, the embeddings' outputs are views of the lookups' (a copy would cost a "
         "pass over every history event's embedding); nothing writes into them, and the gradients equal one "
-        "process's (gem-parallel tests/test_fsdp_outputs.py)",
+        "process's (gem-train tests/test_train_fsdp_outputs.py)",
     ),
 )
 

@@ -1,4 +1,5 @@
-"""FSDP2 on 2 ranks: where GEM's FSDP units return views, nothing modifies them in place, and the gradients
+"""GEM under gem-parallel's FSDP2 on 2 ranks (here, not in gem-parallel, whose tests use a toy model of
+their own): where GEM's FSDP units return views, nothing modifies them in place, and the gradients
 equal one process's; the model's own outputs are tensors of their own; no other warning is raised.
 
 FSDP2 registers its pre-backward hook on each unit's outputs; an in-place op on an output that is a view would
@@ -14,21 +15,19 @@ whenever a wrapped module returns a view. Two of GEM's units did:
   ``item + action``, the projections, ``cat``), and the gradients of every parameter below, the tables'
   included, match the one-process model. gem-train filters this one warning (README, "Known warnings").
 
-Tolerance: 1e-4 of each tensor's largest entry, as in ``test_dense_parallel.py`` (fp32: the reduce-scatter
-reorders sums; a missed or doubled gradient share is an O(1) error).
+Tolerance: 1e-4 of each tensor's largest entry, as gem-parallel's ``test_dense_parallel.py`` (fp32: the
+reduce-scatter reorders sums; a missed or doubled gradient share is an O(1) error).
 """
 
 from __future__ import annotations
 
 import copy
-import sys
+import dataclasses
 import warnings
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from dense_helpers import build_model, full, max_rel_diff, rank_slices, reference_loss, small_config
+import torch
+from torch.distributed.tensor import DTensor
 
 import gem_model as gm
 from gem_parallel import FSDPConfig, ParallelConfig, ParallelDims, parallelize
@@ -36,6 +35,48 @@ from gem_parallel.testing import run_distributed
 
 TOL = 1e-4
 SIZES = [3, 2]  # per-rank batch sizes: ragged
+
+
+def small_config(n_experts: int = 2) -> gm.GemConfig:
+    """``tiny`` with small features (short histories, small vocabularies): a step costs tens of ms."""
+    spec = gm.FeatureSpec(
+        n_dense=4,
+        sparse=(gm.SparseFeature("user", 50), gm.SparseFeature("ad", 40, max_ids=2)),
+        sequences=(gm.SequenceFeature("history", 60, 4, 12),),
+    )
+    return dataclasses.replace(gm.get_config("tiny"), features=spec, n_experts=n_experts)
+
+
+def build_model(config: gm.GemConfig, seed: int = 0) -> gm.GemModel:
+    torch.manual_seed(seed)
+    return gm.GemModel(config)
+
+
+def rank_slices(sizes: list[int]) -> list[list[int]]:
+    """Sample indices of each rank's slice of a global batch of ``sum(sizes)``."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [list(range(s, s + n)) for s, n in zip(starts, sizes)]
+
+
+def reference_loss(model: gm.GemModel, batch: gm.GemBatch, sizes: list[int]) -> torch.Tensor:
+    """The objective data parallelism optimises: the mean over ranks of each rank's own loss (one forward
+    of the whole global batch, its logits split by rank)."""
+    logits = model(batch)
+    losses = []
+    for idx in rank_slices(sizes):
+        sel = torch.tensor(idx)
+        losses.append(gm.multitask_loss({t: v[sel] for t, v in logits.items()}, batch.select(idx))[0])
+    return torch.stack(losses).mean()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or gradient as one whole tensor (collective for a DTensor: call on every rank in order)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max(max |b|, 1e-6): a relative error that ignores tiny entries' noise."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6))
 
 
 def _fsdp_two_ranks(rank: int, world_size: int) -> dict:
