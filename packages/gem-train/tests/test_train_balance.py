@@ -14,12 +14,14 @@ from gem_parallel.balance import get_cost_model
 from gem_train.checkpoint import read_trainer_state
 from gem_train.config import load_config
 from gem_train.data.balance import (
+    POLICY,
     BalancedTrainStream,
     balanced_stream,
     concat_batches,
     reshard_balancer,
     sample_lengths,
 )
+from gem_train.data.balance_state import BalancerPosition
 from gem_train.data.loader import LoadedBatch
 from gem_train.data.synthetic import SyntheticAds
 from gem_train.trainer import Trainer
@@ -45,11 +47,11 @@ def _tagged_stream(n_batches: int, skew: bool) -> list[LoadedBatch]:
     return [LoadedBatch(every.select(c), i, None) for i, c in enumerate(dealt)]
 
 
-def _stream(batches: list[LoadedBatch], seed: int = 0) -> BalancedTrainStream:
+def _stream(batches: list[LoadedBatch], seed: int = 0, policy: str = POLICY) -> BalancedTrainStream:
     def open_stream(pos: int):
         return iter(batches[pos:])
 
-    return BalancedTrainStream(open_stream, base=0, world_size=1, batch_size=BS, seed=seed)
+    return BalancedTrainStream(open_stream, base=0, world_size=1, batch_size=BS, seed=seed, policy=policy)
 
 
 def _rows(b) -> dict[int, tuple]:
@@ -71,13 +73,14 @@ def _batch_costs(batches) -> torch.Tensor:
     return torch.tensor([float(c) for c in per_batch])
 
 
-def test_every_sample_is_emitted_once_and_unchanged():
+@pytest.mark.parametrize("policy", ["capped", "sliding"])
+def test_every_sample_is_emitted_once_and_unchanged(policy):
     src = _tagged_stream(10, skew=True)
     want: dict[int, tuple] = {}
     for lb in src:
         want.update(_rows(lb.batch))
     got: dict[int, tuple] = {}
-    out = list(_stream(src))
+    out = list(_stream(src, policy=policy))
     for lb in out:
         rows = _rows(lb.batch)
         assert not set(rows) & set(got), "a sample emitted twice"
@@ -102,24 +105,48 @@ def test_cost_spread_is_lower_than_without_the_balancer():
     assert ratio < 0.6, (plain, balanced)
 
 
-def test_the_stream_resumes_exactly_from_any_state():
-    src = _tagged_stream(9, skew=True)
-    full = [_rows(lb.batch) for lb in _stream(src, seed=5)]
-    first = _stream(src, seed=5)
+@pytest.mark.parametrize("policy", ["capped", "sliding"])
+@pytest.mark.parametrize("cut", [2, 6])
+def test_the_stream_resumes_exactly_from_any_state(policy, cut):
+    src = _tagged_stream(12, skew=True)
+    full = [_rows(lb.batch) for lb in _stream(src, seed=5, policy=policy)]
+    first = _stream(src, seed=5, policy=policy)
     it = iter(first)
-    head = [_rows(next(it).batch) for _ in range(3)]
-    state = first.state_after(2)
-    second = _stream(src, seed=5)
+    head = [_rows(next(it).batch) for _ in range(cut + 1)]
+    state = first.state_after(cut)
+    assert state["policy"] == policy
+    second = _stream(src, seed=5, policy=policy)
     second.load_state_dict(state)
     tail = [_rows(lb.batch) for lb in second]
     assert head + tail == full
-    assert [lb.index for lb in _resumed(src, state)] == list(range(3, len(full)))
+    assert [lb.index for lb in _resumed(src, state, policy)] == list(range(cut + 1, len(full)))
 
 
-def _resumed(src, state):
-    s = _stream(src, seed=5)
+def _resumed(src, state, policy):
+    s = _stream(src, seed=5, policy=policy)
     s.load_state_dict(state)
     return list(s)
+
+
+def test_a_checkpoint_of_the_sliding_policy_resumes_with_it():
+    """A state written before the switch to "capped" names "sliding": the position resumes with that policy
+    (exactly), and a fresh stream uses the new default."""
+    src = _TaggedSource()
+    old = balanced_stream(src, rank=0, world_size=1, batch_size=BS, seed=1, policy="sliding")
+    it = iter(old)
+    head = [next(it).batch.dense[:, 0].long().tolist() for _ in range(3)]
+    rest = [next(it).batch.dense[:, 0].long().tolist() for _ in range(3)]
+    pos = BalancerPosition()
+    pos.resume({"base": 0, "world_size": 1, "batch_size": BS, "carry": [[]], "ranks": [old.state_after(2)]},
+               0, 1, BS)  # fmt: skip
+    stream = pos.stream(src, rank=0, world=1, batch_size=BS, seed=1, base=0, num_workers=0, pin=False)
+    assert stream.shuffler.policy == "sliding"
+    it2 = iter(stream)
+    assert [next(it2).batch.dense[:, 0].long().tolist() for _ in range(3)] == rest
+    fresh = BalancerPosition().stream(
+        src, rank=0, world=1, batch_size=BS, seed=1, base=0, num_workers=0, pin=False
+    )
+    assert head and fresh.shuffler.policy == POLICY == "capped"
 
 
 def test_training_with_the_balancer_resumes_bit_identically(tmp_path, small_config):
