@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from gem_parallel.balance import BaseBatchShuffler, MixCost
+from gem_parallel.balance import BaseBatchShuffler, MixCost, default_pool_batches
 from gem_parallel.balance.policies import capped_target, sliding_select, take_overdue
 from gem_parallel.balance.simulation import LengthLaw, SimConfig, simulate
 
@@ -154,3 +154,13 @@ def test_capped_beats_sliding_on_a_small_hard_stream() -> None:
     assert m["bbs_capped_known"]["mean"] < 1.05
     assert m["bbs_sliding_known"]["mean"] > 1.06
     assert m["bbs_capped_known"]["wait_max"] <= 16 * 4 and m["bbs_capped_known"]["forced"] == 0
+
+
+def test_default_pool_holds_at_least_256_samples() -> None:
+    assert [default_pool_batches(b) for b in (1024, 64, 32, 16, 5)] == [4, 4, 8, 16, 52]
+    sh = BaseBatchShuffler([], cost="linear", sub_batch_size=8, sub_batches_per_batch=4)
+    assert sh.pool_batches == 8 and sh.pool_capacity == 256 and (sh.max_wait, sh.soft_wait) == (128, 32)
+    sliding = BaseBatchShuffler([], cost="linear", policy="sliding", pool_batches=3)
+    assert (sliding.pool_batches, sliding.max_wait) == (3, 24)
+    with pytest.raises(ValueError, match="pool_batches"):
+        BaseBatchShuffler([], cost="linear", pool_batches=0)

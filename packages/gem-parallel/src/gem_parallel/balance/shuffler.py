@@ -40,10 +40,21 @@ from gem_parallel.balance.policies import (
     take_overdue,
 )
 
-__all__ = ["POLICIES", "BaseBatchShuffler"]
+__all__ = ["MIN_POOL_SAMPLES", "POLICIES", "BaseBatchShuffler", "default_pool_batches"]
 
 POLICIES = ("capped", "sliding", *POOL_POLICIES)
 ONE_AT_A_TIME = ("capped", "sliding")
+# A capped pool holds the excess of heavy stretches (~ CV**2 / (2 * headroom) mean sample costs, whatever the
+# batch size) and still needs light samples to complete batches around it: below ~256 samples it clogs
+# (BENCHMARKS.md, "Load balancing where it is hard": 32-sample batches, 4 batches 1.075, 8 batches 1.029).
+MIN_POOL_SAMPLES = 256
+
+
+def default_pool_batches(batch_size: int) -> int:
+    """Pool size in batches: 4, and at least :data:`MIN_POOL_SAMPLES` samples."""
+    return max(4, -(-MIN_POOL_SAMPLES // batch_size))
+
+
 _STATE_VERSION = 1
 SubBatch = TypeVar("SubBatch")
 Batch = TypeVar("Batch")
@@ -72,7 +83,8 @@ class BaseBatchShuffler(Generic[SubBatch, Batch]):
             of ``sub_batches[i]``, in batch order. Default: the list of those samples.
         sub_batch_size: nominal samples per sub-batch.
         sub_batches_per_batch: training batch = ``sub_batch_size * sub_batches_per_batch`` samples.
-        pool_batches: pool size in training batches.
+        pool_batches: pool size in training batches; default :func:`default_pool_batches` (4, more for
+            batches under 64 samples: at least 256 samples).
         seed: seeds the order inside each batch (and the ``"random"`` policy).
         policy: one of :data:`POLICIES`.
         headroom: (capped) the most a batch is aimed above the level, as a share of it (> 0). Smaller
@@ -97,7 +109,7 @@ class BaseBatchShuffler(Generic[SubBatch, Batch]):
         collate: Callable[[list[SubBatch], list[tuple[int, int]]], Batch] | None = None,
         sub_batch_size: int = 128,
         sub_batches_per_batch: int = 8,
-        pool_batches: int = 4,
+        pool_batches: int | None = None,
         seed: int = 0,
         policy: str = "capped",
         headroom: float = 0.02,
@@ -106,10 +118,13 @@ class BaseBatchShuffler(Generic[SubBatch, Batch]):
         soft_wait: int | None = None,
         mean_cost: float | None = None,
     ) -> None:
-        for name, v in (("sub_batch_size", sub_batch_size), ("sub_batches_per_batch", sub_batches_per_batch),
-                        ("pool_batches", pool_batches)):  # fmt: skip
+        for name, v in (("sub_batch_size", sub_batch_size), ("sub_batches_per_batch", sub_batches_per_batch)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"BaseBatchShuffler: {name} must be an int >= 1, got {v!r}")
+        if pool_batches is None:
+            pool_batches = default_pool_batches(sub_batch_size * sub_batches_per_batch)
+        if not isinstance(pool_batches, int) or pool_batches < 1:
+            raise ValueError(f"BaseBatchShuffler: pool_batches must be an int >= 1, got {pool_batches!r}")
         if policy not in POLICIES:
             raise ValueError(f"BaseBatchShuffler: unknown policy {policy!r}; choose from {POLICIES}")
         if not 0 < feedback <= 1:

@@ -3,10 +3,11 @@
 
 The rank's ordinary training stream (batches of ``data.batch_size``) is read as the shuffler's sub-batches
 (``sub_batch_size = data.batch_size``, ``sub_batches_per_batch = 1``): a training batch keeps
-``data.batch_size`` samples, drawn from a pool of :data:`POOL_BATCHES` batches by the cost of each sample
-(``get_cost_model("mix")`` of the sum of its behaviour-sequence lengths) with the shuffler's :data:`POLICY`:
-each batch aimed at the running mean cost, never more than ``headroom`` (2%) above it; what a heavy stretch
-of the stream brings beyond that waits in the pool (at most ``8 * POOL_BATCHES`` batches). Every sample of
+``data.batch_size`` samples, drawn from a pool of ``default_pool_batches(data.batch_size)`` batches (4, and at
+least 256 samples) by the cost of each sample (``get_cost_model("mix")`` of the sum of its behaviour-sequence
+lengths) with the shuffler's :data:`POLICY`: each batch aimed at the running mean cost, never more than
+``headroom`` (2%) above it; what a heavy stretch of the stream brings beyond that waits in the pool (at most
+16 pool sizes of batches). Every sample of
 the stream is trained on exactly once. A checkpoint of the earlier ``"sliding"`` policy resumes with that
 policy (its state names it). The shuffler's state is in every checkpoint (``trainer_state["balancer"]``), with
 ``base``: the global batch at which the balanced stream began, so a resume re-reads the same stream.
@@ -36,7 +37,6 @@ from gem_train.data.loader import LoadedBatch
 
 __all__ = [
     "POLICY",
-    "POOL_BATCHES",
     "BalancedTrainStream",
     "balanced_stream",
     "concat_batches",
@@ -46,7 +46,6 @@ __all__ = [
 
 Sample = tuple[int, int]  # (global batch index, row in it)
 
-POOL_BATCHES = 4  # pool of the shuffler, in training batches (gem_parallel.balance's default)
 POLICY = "capped"  # gem_parallel.balance's default: the heaviest rank bounded by the cap (issue 38)
 
 
@@ -155,7 +154,6 @@ class BalancedTrainStream:
             collate=collate,
             sub_batch_size=batch_size,
             sub_batches_per_batch=1,
-            pool_batches=POOL_BATCHES,
             seed=seed,
             policy=policy,
         )
