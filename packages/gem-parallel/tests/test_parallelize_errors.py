@@ -28,7 +28,7 @@ class _DropoutStack(nn.Module):
 
 # case -> (model factory, ParallelDims kwargs, ParallelConfig kwargs, text the error must contain)
 CASES = {
-    "no_layers": (lambda: nn.Linear(4, 4), {}, {}, "no `layers`"),
+    "no_layers": (lambda: nn.Linear(4, 4), {}, {"activation_checkpointing": "full"}, "no `layers`"),
     "ep_does_not_divide_experts": (
         lambda: build_model(small_config(n_experts=3)), {"ep": 2}, {"expert_parallel": True},
         "ep=2 does not divide the ensemble's n_experts=3",

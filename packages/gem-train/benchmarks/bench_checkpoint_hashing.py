@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gem_train.manifest import hash_file
+from gem_train.checkpoint.manifest import hash_file
 
 
 def main() -> None:

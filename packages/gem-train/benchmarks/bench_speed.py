@@ -5,17 +5,18 @@ One process, for each recipe (default ``bf16`` = no conversion under the config'
 dynamic, caches in ``$GEM_COMPILE_CACHE`` or ``~/.cache/gem/compile``), then
 
 - warm-up: one step on each of ``--distinct`` batches of different jagged sizes; its wall time is the
-  compilation plus kernel autotuning (``first_step_s`` is the first step alone). Run the script twice to see
-  the warm-up from a warm cache;
+  compilation plus kernel autotuning (``first_step_s`` is the first step alone). BuiltRun the script twice to
+  see the warm-up from a warm cache;
 - recompiles: dynamo's frame counters during the warm-up (graphs compiled) and during the timed steps (must be
   0: every batch has new sizes);
-- steady state: ``--steps`` steps of the trainer's own step (:meth:`gem_train.run.Run.train_step`, with
-  its one host sync for the loss and gradient norm) cycling those batches: ms/step,
+- steady state: ``--steps`` steps of the trainer's own step (:meth:`gem_train.loop.step.BuiltRun.train_step`,
+  with its one host sync for the loss and gradient norm) cycling those batches: ms/step,
   examples/s, model TFLOP/s (``gem_model.flops``), MFU against the datasheet dense bf16 peak of the device
-  (``gem_train.mfu.PEAK_FLOPS``; FP8 runs against the same bf16 peak) and against the bf16 GEMM ceiling
+  (``gem_train.loop.mfu.PEAK_FLOPS``; FP8 runs against the same bf16 peak) and against the bf16 GEMM ceiling
   measured here (8192^3), peak memory;
-- the same steps fed from pinned host batches through :class:`gem_train.prefetch.DevicePrefetcher` (copies one
-  step ahead on a side stream), as the training loop gets them: its step time against the resident batches';
+- the same steps fed from pinned host batches through :class:`gem_train.loop.prefetch.DevicePrefetcher`
+  (copies one step ahead on a side stream), as the training loop gets them: its step time against the resident
+  batches';
 - a profile of ``--profile-steps`` steps: the share of GPU time by kernel kind (GEMM, FP8 quantization,
   attention, inductor-fused, embeddings, copies, other).
 
@@ -41,12 +42,13 @@ from typing import Any
 
 import torch
 
-from gem_train.compile import apply_compile, compile_cache_dir, compile_counters
+from gem_parallel.compile import compile_cache_dir, compile_counters, compile_layers
 from gem_train.config import SHIPPED_CONFIGS, TrainConfig, load_config
-from gem_train.distributed import init_distributed
-from gem_train.mfu import MFU_BASIS, device_peak_flops, measure_gemm_ceiling
-from gem_train.prefetch import DevicePrefetcher
-from gem_train.run import build_run, build_source
+from gem_train.loop.build import build_run, build_source
+from gem_train.loop.distributed import init_distributed
+from gem_train.loop.mfu import MFU_BASIS, device_peak_flops, measure_gemm_ceiling
+from gem_train.loop.prefetch import DevicePrefetcher
+from gem_train.loop.step import StepPipeline
 
 ALIASES = {"tiny": "tiny-cpu"}
 
@@ -111,35 +113,26 @@ def run_recipe(
     compiled = not args.eager  # compiled whatever the config says: the issue's measurement
     backend = args.backend or ("inductor" if device.type == "cuda" else "aot_eager")
     dynamic = {"true": True, "auto": None}[args.dynamic]
-    if compiled:  # as build_run does with train.compile (one process: no DDP wrapper), backend chosen here
-        run.train_model = apply_compile(run.train_model, backend=backend, dynamic=dynamic)
+    if compiled:  # as parallelize does with train.compile (one process: in place), backend chosen here
+        compile_layers(run.train_model, backend=backend, dynamic=dynamic)
     use_bf16 = run.autocast_dtype == torch.bfloat16
     batches = [lb.batch.to(device) for lb in host]
     flops = [run.built.flops(lb.batch) for lb in host] if run.built.flops else None
     model = run.model
     counter = [0]
+    # The trainer's step and its one host sync, read after the next step is queued where the trainer does
+    # so too (StepPipeline).
+    pipeline = StepPipeline(run, cfg.train.overlap_steps)
 
     def step(i: int) -> None:
         step_on(batches[i % len(batches)])
 
-    overlap = cfg.train.overlap_steps and run.can_queue_steps
-    pending: list[Any] = []
-
     def step_on(batch: Any) -> None:
-        # The trainer's step: lr, forward, loss, backward, clipping, optimizers, and its one host sync, which
-        # the trainer reads after queueing the next step where it can (Run.queue_step): so does this loop.
-        if overlap:
-            queued = run.queue_step(batch, counter[0])
-            if pending:
-                pending.pop().result()
-            pending.append(queued)
-        else:
-            run.train_step(batch, counter[0])
+        pipeline.push(batch, counter[0], read=False)
         counter[0] += 1
 
     def drain() -> None:
-        if pending:
-            pending.pop().result()
+        pipeline.flush()
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -1,11 +1,11 @@
 """The identifiable floor of the synthetic dataset's CTR NE, next to its Bayes floor.
 
-The Bayes floor (``true_probs``, :func:`gem_train.metrics.ground_truth_ne`) is the NE of a predictor that
-knows every hidden quantity of :mod:`gem_train.data.synthetic`, including each user's idiosyncratic terms of
-the CTR logit: the ``0.5 * N(0, 1)`` noise part of the user's taste vector (``user_vec = sum_i w_i
-cat_vec[interest_i] + 0.5 z``) and the user bias ``user_bias ~ N(0, 0.4^2)``, of which the model sees only
-a noisy dense view ``v = user_bias + N(0, 0.4^2)``. When users are rarely repeated these terms cannot be
-learned from the user id, so the Bayes floor is out of reach.
+The Bayes floor (``true_probs``, :func:`gem_train.evaluation.metrics.ground_truth_ne`) is the NE of a
+predictor that knows every hidden quantity of :mod:`gem_train.data.synthetic`, including each user's
+idiosyncratic terms of the CTR logit: the ``0.5 * N(0, 1)`` noise part of the user's taste vector (``user_vec
+= sum_i w_i cat_vec[interest_i] + 0.5 z``) and the user bias ``user_bias ~ N(0, 0.4^2)``, of which the model
+sees only a noisy dense view ``v = user_bias + N(0, 0.4^2)``. When users are rarely repeated these terms
+cannot be learned from the user id, so the Bayes floor is out of reach.
 
 The *identifiable floor* is the NE of ``SyntheticBatch.identifiable_probs``: the Bayes prediction of an
 oracle that knows the whole hidden world (category and item vectors, item and advertiser qualities, every
@@ -30,9 +30,9 @@ neither a strict lower nor a strict upper bound on what a trained model can reac
   from finitely many impressions; on that side the floor is optimistic.
 
 The rows are those the trainer evaluates: batches ``0 .. N-1`` of the split, each of ``data.eval_batch_size``
-rows (the last one shorter when the split is not a multiple), as :func:`gem_train.evaluation.evaluate_model`
-reads them with ``train.eval_batches`` (0: the whole split). For ``base-h200`` that is 16 batches of 2,048
-rows of the test split.
+rows (the last one shorter when the split is not a multiple), as
+:func:`gem_train.evaluation.evaluate.evaluate_model` reads them with ``train.eval_batches`` (0: the whole
+split). For ``base-h200`` that is 16 batches of 2,048 rows of the test split.
 
     uv run --no-sync python packages/gem-train/benchmarks/identifiable_floor.py --config base-h200 \\
         --model-ne 0.7742 0.7984 --json runs/identifiable_floor.json
@@ -54,7 +54,7 @@ def compute(cfg: Any, batches: int, batch_size: int, split: str = "test", seed: 
     """The floors on batches ``0 .. batches-1`` of ``split`` (``batch_size`` rows each, the last one
     shorter where the split ends)."""
     from gem_train.data.synthetic import SyntheticAds
-    from gem_train.metrics import ground_truth_ne, normalized_entropy
+    from gem_train.evaluation.metrics import ground_truth_ne, normalized_entropy
 
     ds = SyntheticAds(cfg, seed=seed)
     ident, truth, labels, masks, r2, var = [], [], [], [], [], []

@@ -6,9 +6,9 @@ process trained on the same global batches, and the peak memory of every rank.
         parallel.group_size=2 parallel.balancer=base_batch_shuffling
 
 It runs ``torchrun --standalone --nproc_per_node=N -m gem_train.cli train --config tiny-cpu ...`` (one
-train row per step), then :func:`gem_train.reference.same_batches_losses` in this process (it follows
-the overrides: each rank's balanced stream, the global balancer's partition, 2D tables' replica averaging),
-prints a table, writes ``DIR/parallel_curve.json`` and the plot ``DIR/loss_curve.png``.
+train row per step), then ``same_batches_losses`` of ``benchmarks/one_process_reference.py`` in this process
+(it follows the overrides: each rank's balanced stream, the global balancer's partition, 2D tables' replica
+averaging), prints a table, writes ``DIR/parallel_curve.json`` and the plot ``DIR/loss_curve.png``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from one_process_reference import same_batches_losses
 
 from gem_train.config import load_config
-from gem_train.reference import same_batches_losses
 
 SMALL = [
     "data.batch_size=16", "data.eval_batch_size=128", "data.synthetic.eval_examples=512",
@@ -75,7 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     (out / "parallel_curve.json").write_text(json.dumps(result, indent=2))
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[3, 1])
     steps = range(1, len(multi) + 1)
-    ax.plot(steps, single, "k-", lw=3, alpha=0.35, label="1 process, the same batches (gem_train.reference)")
+    ax.plot(
+        steps,
+        single,
+        "k-",
+        lw=3,
+        alpha=0.35,
+        label="1 process, the same batches (benchmarks/one_process_reference.py)",
+    )
     layout = " ".join(o.removeprefix("parallel.") for o in a.overrides)
     label = "\n".join(textwrap.wrap(f"{a.nproc} processes: {layout}", 70))
     ax.plot(steps, multi, "o", ms=4, label=label)

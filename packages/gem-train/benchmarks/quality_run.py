@@ -2,17 +2,17 @@
 the synthetic data's ground-truth floor, the loop's steady step rate, and the warm-up, evaluation and
 checkpoint costs, each measured apart.
 
-Each recipe trains in its own process (the trainer itself, :class:`gem_train.trainer.Trainer`, with timers
-wrapped around its step, evaluation and checkpoint calls; nothing else changes), into ``DIR/<recipe>/``, and
-writes ``DIR/<recipe>/quality_recipe.json``. Every invocation then merges whatever recipes ``DIR`` holds into
-``DIR/quality.json`` and ``DIR/quality_ne.png`` (the test NE curves of all recipes with the floor drawn), so
-recipes can run as separate commands (e.g. one per device call) into one directory.
+Each recipe trains in its own process (the trainer itself, :class:`gem_train.loop.trainer.Trainer`, with
+timers wrapped around its step, evaluation and checkpoint calls; nothing else changes), into
+``DIR/<recipe>/``, and writes ``DIR/<recipe>/quality_recipe.json``. Every invocation then merges whatever
+recipes ``DIR`` holds into ``DIR/quality.json`` and ``DIR/quality_ne.png`` (the test NE curves of all recipes
+with the floor drawn), so recipes can run as separate commands (e.g. one per device call) into one directory.
 
 What is measured, per recipe:
 
 - test NE of the task (``--task``, default ctr) at every evaluation (``train.eval_every``) and at the end, the
-  floor (``<task>/ground_truth_ne`` of the test rows: :func:`gem_train.metrics.ground_truth_ne`, the one place
-  gem-train computes it) and the final gap ``NE / floor - 1``;
+  floor (``<task>/ground_truth_ne`` of the test rows: :func:`gem_train.evaluation.metrics.ground_truth_ne`,
+  the one place gem-train computes it) and the final gap ``NE / floor - 1``;
 - steady state from the logged ``train`` windows (``train.log_every`` steps each): windows that start
   after ``--warmup-steps`` and hold no evaluation or checkpoint (those run right after a logged step, inside
   the next window): median step time, examples/s and MFU; beside it the median of the trainer's step calls;
@@ -114,8 +114,8 @@ def _median(xs: list[float]) -> float | None:
 def run_recipe(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
     """Train one recipe in this process with timers around the trainer's step, evaluation and save."""
     from gem_train.config import load_config
-    from gem_train.logger import read_metrics
-    from gem_train.trainer import Trainer
+    from gem_train.loop.metrics_log import read_metrics
+    from gem_train.loop.trainer import Trainer
 
     out = Path(args.out) / recipe
     probe = load_config(args.config, args.overrides)
@@ -137,9 +137,9 @@ def run_recipe(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
     evals: list[dict[str, Any]] = []
     saves: list[dict[str, Any]] = []
     run, orig_step, orig_queue, orig_eval, orig_save = (
-        trainer.setup,
-        trainer.setup.train_step,
-        trainer.setup.queue_step,
+        trainer.built_run,
+        trainer.built_run.train_step,
+        trainer.built_run.queue_step,
         trainer.evaluate,
         trainer.save,
     )
@@ -184,7 +184,8 @@ def run_recipe(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
         saves.append({"step": step, "call_s": time.perf_counter() - t, "final": step == cfg.train.steps})
         return res
 
-    # Instance attributes shadow the methods the loop calls (self.evaluate, self.save, self.setup.train_step).
+    # Instance attributes shadow the methods the loop calls (self.evaluate, self.save,
+    # self.built_run.train_step).
     run.train_step = timed_step  # type: ignore[method-assign]
     run.queue_step = queued_step  # type: ignore[method-assign]
     trainer.evaluate = timed_eval  # type: ignore[method-assign]
@@ -192,7 +193,7 @@ def run_recipe(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
     t1 = time.perf_counter()
     result = trainer.fit()
     fit_s = time.perf_counter() - t1
-    rows = read_metrics(trainer.run.metrics)
+    rows = read_metrics(trainer.run_dir.metrics)
     train_rows = [r for r in rows if r["split"] == "train"]
     test_rows = [r for r in rows if r["split"] == "test" and f"{args.task}/ne" in r]
     loop_events = [e["step"] for e in evals + saves if not e["final"]]
@@ -257,7 +258,7 @@ def run_recipe(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
 
 def merge(out: Path, task: str) -> dict[str, Any]:
     """``quality.json`` and ``quality_ne.png`` from every ``<recipe>/quality_recipe.json`` under ``out``."""
-    from gem_train.plots import plot_ne_comparison
+    from gem_train.evaluation.plots import plot_ne_comparison
 
     recipes = {}
     for p in sorted(out.glob(f"*/{RECIPE_FILE}")):

@@ -3,9 +3,9 @@
 For every seed, GEM (``--config``, default ``movielens``) and the MLP baseline (the same config with
 ``model.arch = "mlp"``) train with ``run.seed = <seed>``; the checkpoint of the lowest validation NE is
 evaluated on the test split (the config's early stopping, if any, applies). The GBDT baseline
-(:mod:`gem_train.gbdt`, its grid point and trees chosen on validation) runs on the same seed's batches.
-Prints mean ± std of test NE / AUC per model, each seed's relative NE gain of GEM over GBDT, writes
-``<out>/seed_sweep.json`` (every number) and ``<out>/seed_sweep.png``.
+(:mod:`gem_train.evaluation.baselines.gbdt`, its grid point and trees chosen on validation) runs on the same
+seed's batches. Prints mean ± std of test NE / AUC per model, each seed's relative NE gain of GEM over GBDT,
+writes ``<out>/seed_sweep.json`` (every number) and ``<out>/seed_sweep.png``.
 
     uv run --no-sync python packages/gem-train/benchmarks/seed_sweep.py --seeds 0 1 2 3 4 --out runs/sweep
     uv run --no-sync python packages/gem-train/benchmarks/seed_sweep.py --models gbdt mlp --seeds 0 1
@@ -30,7 +30,7 @@ MODELS = ("gem", "mlp", "gbdt")
 
 def _torch_run(config: str, overrides: list[str], out: Path) -> dict[str, Any]:
     from gem_train.config import load_config
-    from gem_train.trainer import Trainer
+    from gem_train.loop.trainer import Trainer
 
     cfg = load_config(config, [*overrides, f"run.out_dir={out}", "train.progress_bar=false"])
     if not cfg.train.valid_every:
@@ -50,11 +50,10 @@ def _torch_run(config: str, overrides: list[str], out: Path) -> dict[str, Any]:
 
 def _gbdt_run(config: str, overrides: list[str]) -> dict[str, Any]:
     from gem_train.config import load_config
-    from gem_train.gbdt import run_gbdt
-    from gem_train.run import build_source
+    from gem_train.evaluation.baselines.gbdt import build_gbdt_source, run_gbdt
 
     cfg = load_config(config, overrides)
-    res = run_gbdt(cfg, build_source(cfg))
+    res = run_gbdt(cfg, build_gbdt_source(cfg))
     task = cfg.train.select_task if cfg.train.select_task in res.test else next(iter(res.test))
     m = res.test[task]
     return {"ne": m.ne, "auc": m.auc, "valid_ne": res.valid[task].ne, "params": res.params[task],

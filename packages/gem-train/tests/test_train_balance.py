@@ -24,7 +24,7 @@ from gem_train.data.balance import (
 from gem_train.data.balance_state import BalancerPosition
 from gem_train.data.loader import LoadedBatch
 from gem_train.data.synthetic import SyntheticAds
-from gem_train.trainer import Trainer
+from gem_train.loop.trainer import Trainer
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

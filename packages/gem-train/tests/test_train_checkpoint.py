@@ -5,6 +5,7 @@ exists at every moment of a save."""
 import json
 import pickle
 import random
+import shutil
 import threading
 from pathlib import Path
 
@@ -27,10 +28,12 @@ from gem_train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from gem_train.checkpoint import atomic as ckpt_atomic
+from gem_train.checkpoint import save as ckpt_save
+from gem_train.checkpoint.manifest import write_manifest
+from gem_train.checkpoint.storage import allowed_metadata_globals, safe_load_metadata
 from gem_train.cli import main
-from gem_train.dcp_storage import allowed_metadata_globals, safe_load_metadata
-from gem_train.manifest import write_manifest
-from gem_train.trainer import Trainer
+from gem_train.loop.trainer import Trainer
 
 
 def _model_and_optims(seed: int):
@@ -248,7 +251,7 @@ def test_every_load_path_refuses_malicious_metadata(tmp_path, capsys, small_conf
     assert main(["eval", "--checkpoint", str(res.run_dir / "checkpoints" / "best")]) == 1
     assert "builtins.exec" in capsys.readouterr().err
     tr = Trainer(small_config(tmp_path, "train.steps=2", "data.synthetic.valid_examples=64"))
-    tr.run = type(tr.run)(res.run_dir)
+    tr.run_dir = type(tr.run_dir)(res.run_dir)
     with pytest.raises(CheckpointError, match="refused to load"):
         tr.evaluate_best()
     assert not marker.exists()
@@ -419,7 +422,7 @@ def test_a_complete_checkpoint_exists_at_every_moment_of_every_save(tmp_path, mo
     m, opts = _model_and_optims(0)
     save_checkpoint(tmp_path, 1, m, opts, extra={}, keep_last=keep_last)
     moments = []
-    real_rename, real_rmtree = ckpt_mod._rename, ckpt_mod.shutil.rmtree
+    real_rename, real_rmtree = ckpt_atomic.rename_durably, shutil.rmtree
 
     def check(what):
         latest = latest_checkpoint(tmp_path)
@@ -428,10 +431,10 @@ def test_a_complete_checkpoint_exists_at_every_moment_of_every_save(tmp_path, mo
         moments.append((what, latest.name))
 
     monkeypatch.setattr(
-        ckpt_mod, "_rename", lambda a, b: (check(f"rename {a.name} -> {b.name}"), real_rename(a, b))
+        ckpt_atomic, "rename_durably", lambda a, b: (check(f"rename {a.name} -> {b.name}"), real_rename(a, b))
     )
     monkeypatch.setattr(
-        ckpt_mod.shutil, "rmtree", lambda p, **k: (check(f"rmtree {Path(p).name}"), real_rmtree(p, **k))
+        shutil, "rmtree", lambda p, **k: (check(f"rmtree {Path(p).name}"), real_rmtree(p, **k))
     )
     for step in (2, 2, 3):
         _train_step(m, opts)
@@ -446,14 +449,14 @@ def test_crash_between_the_renames_of_a_resave_leaves_the_old_copy_loadable(tmp_
     m, opts = _model_and_optims(0)
     save_checkpoint(tmp_path, 5, m, opts, extra={"config": {"v": "old"}}, keep_last=1)
     want = [p.detach().clone() for p in m.parameters()]
-    real_rename = ckpt_mod._rename
+    real_rename = ckpt_atomic.rename_durably
 
     def crash_on_install(a, b):
         if a.name.startswith(".tmp-"):
             raise OSError("killed (simulated) between moving the old copy aside and the new one in")
         real_rename(a, b)
 
-    monkeypatch.setattr(ckpt_mod, "_rename", crash_on_install)
+    monkeypatch.setattr(ckpt_atomic, "rename_durably", crash_on_install)
     with pytest.raises(CheckpointError, match=r"sealing checkpoint .*step_00000005 failed: OSError: killed"):
         save_checkpoint(tmp_path, 5, m, opts, extra={"config": {"v": "new"}}, keep_last=1)
     monkeypatch.undo()
@@ -479,14 +482,14 @@ def test_a_background_seal_keeps_hashing_off_the_step_and_the_old_checkpoint_unt
     m, opts = _model_and_optims(0)
     save_checkpoint(tmp_path, 1, m, opts, extra={}, keep_last=1)
     release, hashing = threading.Event(), threading.Event()
-    real_hash = ckpt_mod.hash_files
+    real_hash = ckpt_save.hash_files
 
     def held_hash(directory, names):
         hashing.set()
         assert release.wait(60)
         return real_hash(directory, names)
 
-    monkeypatch.setattr(ckpt_mod, "hash_files", held_hash)
+    monkeypatch.setattr(ckpt_save, "hash_files", held_hash)
     _train_step(m, opts)
     want = [p.detach().clone() for p in m.parameters()]
     save_checkpoint(tmp_path, 2, m, opts, extra={}, keep_last=1, background=True)
@@ -506,7 +509,7 @@ def test_a_background_seal_keeps_hashing_off_the_step_and_the_old_checkpoint_unt
     def failing_hash(directory, names):
         raise OSError("read error (simulated)")
 
-    monkeypatch.setattr(ckpt_mod, "hash_files", failing_hash)
+    monkeypatch.setattr(ckpt_save, "hash_files", failing_hash)
     save_checkpoint(tmp_path, 3, m, opts, extra={}, keep_last=1, background=True)
     with pytest.raises(
         CheckpointError, match=r"sealing checkpoint \S*step_00000003 failed: OSError: read error"

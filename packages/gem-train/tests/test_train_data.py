@@ -7,7 +7,7 @@ import torch
 from gem_train.config import SyntheticConfig
 from gem_train.data.loader import make_eval_loader, make_train_loader
 from gem_train.data.synthetic import SyntheticAds, ground_truth_ne
-from gem_train.metrics import normalized_entropy
+from gem_train.evaluation.metrics import normalized_entropy
 
 CFG = SyntheticConfig(num_users=2000, num_items=1000, num_categories=20, num_advertisers=50, max_len=64)
 

@@ -7,8 +7,8 @@ import torch
 
 from gem_train.config import load_config
 from gem_train.data.synthetic import SyntheticAds, ground_truth_ne
-from gem_train.metrics import normalized_entropy
-from gem_train.trainer import Trainer
+from gem_train.evaluation.metrics import normalized_entropy
+from gem_train.loop.trainer import Trainer
 
 # 80 steps of 128 (10,240 impressions) with learning rates raised for so short a run (the shipped 600-step
 # config uses lr 2e-3, sparse_lr 0.05); 4,096 test impressions. About 25-35 s on one thread here.

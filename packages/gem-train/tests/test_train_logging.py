@@ -5,9 +5,9 @@ import math
 
 import numpy as np
 
-from gem_train.logger import MetricsLogger, read_metrics, truncate_metrics
-from gem_train.plots import plot_curves, plot_reliability
-from gem_train.run_dir import create_run_dir
+from gem_train.evaluation.plots import plot_curves, plot_reliability
+from gem_train.loop.metrics_log import MetricsLogger, read_metrics, truncate_metrics
+from gem_train.loop.run_dir import create_run_dir
 
 
 def test_run_dir_layout_and_unique_names(tmp_path):

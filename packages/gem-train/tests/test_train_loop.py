@@ -13,7 +13,7 @@ from gem_train.checkpoint import list_checkpoints
 from gem_train.cli import main
 from gem_train.config import load_config
 from gem_train.data.synthetic import SyntheticAds
-from gem_train.trainer import NonFiniteLossError, Trainer
+from gem_train.loop.trainer import NonFiniteLossError, Trainer
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -88,7 +88,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path, monk
         NonFiniteLossError, match=r"loss nan at step 4.*last good checkpoint is .*step_00000002"
     ):
         tr.fit()
-    assert [p.name for p in list_checkpoints(tr.run.checkpoints)] == ["step_00000002"]
+    assert [p.name for p in list_checkpoints(tr.run_dir.checkpoints)] == ["step_00000002"]
 
 
 def test_nan_loss_skip_policy(tmp_path, monkeypatch, small_config):
@@ -139,8 +139,8 @@ def test_after_divergence_the_last_good_checkpoint_predates_it_and_resumes(tmp_p
         match=r"at step 5: .*last good checkpoint is \S*step_00000002 .*set aside as nonfinite-step_00000004",
     ):
         tr.fit()
-    assert [p.name for p in list_checkpoints(tr.run.checkpoints)] == ["step_00000002"]
-    resumed = Trainer(small_config(tmp_path / "run", *steps), resume=str(tr.run.root)).fit()
+    assert [p.name for p in list_checkpoints(tr.run_dir.checkpoints)] == ["step_00000002"]
+    resumed = Trainer(small_config(tmp_path / "run", *steps), resume=str(tr.run_dir.root)).fit()
     assert resumed.status == "completed" and resumed.losses == clean.losses[2:]
 
 

@@ -8,7 +8,7 @@ import torch
 from sklearn.metrics import log_loss as sk_log_loss
 from sklearn.metrics import roc_auc_score
 
-from gem_train.metrics import (
+from gem_train.evaluation.metrics import (
     auc,
     binary_entropy,
     binary_metrics,

@@ -16,7 +16,7 @@ from torchrec.metrics.auc import _compute_auc_helper, compute_auc
 from torchrec.metrics.calibration import compute_calibration, get_calibration_states
 from torchrec.metrics.ne import compute_logloss, compute_ne, get_ne_states
 
-from gem_train.metrics import auc, binary_metrics, gauc
+from gem_train.evaluation.metrics import auc, binary_metrics, gauc
 
 ETA = 1e-12  # torchrec's clamp of predictions (ours: 1e-15): no prediction here is that close to 0 or 1
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gem_train import mfu as m
+from gem_train.loop import mfu as m
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import gem_precision
 from gem_model import multitask_loss
 from gem_train.config import ConfigError, load_config
 from gem_train.data.synthetic import SyntheticAds
-from gem_train.model_factory import build_gem_config, build_model
+from gem_train.loop.model import build_gem_config, build_model
 
 SMALL = ["data.synthetic.max_len=8", "data.synthetic.num_users=200", "data.synthetic.num_items=100"]
 
@@ -54,9 +54,15 @@ def test_same_seed_same_weights_and_baseline_runs():
 
 
 def test_precision_recipe_converts_linears_and_keeps_parameter_names():
+    from gem_train.loop.build import build_model_for
+    from gem_train.loop.distributed import DistInfo
+
     cfg, ds = _setup("precision.recipe=mxfp8", "precision.min_features=16")
     plain = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0).model
-    conv = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0, precision=cfg.precision).model
+    # The run's own path: gem-parallel's parallelize applies the recipe (training or evaluation alike).
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    conv = build_model_for(cfg, ds.spec, one, training=False).built.model
+    assert build_model_for(cfg, ds.spec, one, training=True).module is not None
     n = sum(isinstance(m, gem_precision.MXFP8Linear) for m in conv.modules())
     assert n > 0
     assert list(plain.state_dict()) == list(conv.state_dict())  # checkpoints stay compatible
@@ -64,3 +70,22 @@ def test_precision_recipe_converts_linears_and_keeps_parameter_names():
     loss, _ = multitask_loss(conv(batch), batch)
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_baseline_dropout_acts_in_training_only():
+    cfg, ds = _setup("model.arch=mlp", "model.baseline.dropout=0.5")
+    mlp = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0).model
+    assert sum(isinstance(m, torch.nn.Dropout) for m in mlp.modules()) == len(cfg.model.baseline.hidden)
+    batch = ds.make_batch("train", 0, 16).batch
+    mlp.eval()
+    a, b = mlp(batch)["ctr"], mlp(batch)["ctr"]
+    assert torch.equal(a, b)  # no dropout at evaluation
+    mlp.train()
+    assert not torch.equal(mlp(batch)["ctr"], a)
+    # Without dropout the layers (and a checkpoint's parameter names) are the ones before the option.
+    cfg, ds = _setup("model.arch=mlp")
+    plain = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0).model
+    assert not any(isinstance(m, torch.nn.Dropout) for m in plain.modules())
+    assert [k for k in plain.state_dict() if k.startswith("mlp.")] == [
+        "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias", "mlp.4.weight", "mlp.4.bias",
+    ]  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from gem_train.optim import RowWiseAdagrad, lr_factor
+from gem_train.loop.optim import RowWiseAdagrad, lr_factor
 
 
 def _reference_rowwise_adagrad(
@@ -164,7 +164,7 @@ def test_weight_decay_groups_of_a_gem_model():
 
     import gem_model
     from gem_train.config import OptimConfig
-    from gem_train.optim import build_optimizers
+    from gem_train.loop.optim import build_optimizers
 
     base = gem_model.get_config("tiny")
     spec = dataclasses.replace(
@@ -201,7 +201,7 @@ def test_weight_decay_groups_of_a_gem_model():
 
 def test_a_gem_run_builds_its_optimizer_with_the_model_s_no_decay_parameters():
     from gem_train.config import load_config
-    from gem_train.run import build_run
+    from gem_train.loop.build import build_run
 
     run = build_run(
         load_config("tiny-cpu", ["model.overrides.n_layers=1", 'model.overrides.attention="full"'])
@@ -213,7 +213,7 @@ def test_a_gem_run_builds_its_optimizer_with_the_model_s_no_decay_parameters():
 
 def test_adamw_implementation_fused_on_cuda_only_unless_asked():
     from gem_train.config.schema import OptimConfig
-    from gem_train.optim import adamw_fused, build_optimizers
+    from gem_train.loop.optim import adamw_fused, build_optimizers
 
     cpu = [nn.Parameter(torch.randn(3, 4))]
     assert adamw_fused(cpu, "auto") is False  # CPU: foreach, the numbers CPU runs were made with
@@ -244,7 +244,7 @@ def test_adamw_implementation_fused_on_cuda_only_unless_asked():
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e9, float("inf")])
 def test_clip_grad_norm_matches_torch_on_plain_tensors(max_norm):
-    from gem_train.grad_norm import clip_grad_norm
+    from gem_train.loop.grad_norm import clip_grad_norm
 
     gen = torch.Generator().manual_seed(2)
     shapes = [(3, 4), (7,), (1,), (2, 3, 5), (0, 4)]  # an empty gradient counts zero

@@ -1,5 +1,5 @@
-"""Overlapped steps (Run.queue_step): a step's loss is read after the next step is queued, non-finite steps
-are skipped on the device (found_inf) — the same losses, skips and errors as the synchronous loop.
+"""Overlapped steps (BuiltRun.queue_step): a step's loss is read after the next step is queued, non-finite
+steps are skipped on the device (found_inf) — the same losses, skips and errors as the synchronous loop.
 
 On the CPU the overlap runs with ``optim.adamw_impl=fused`` (CUDA's default); ``train.overlap_steps=false``
 is the synchronous reference with the same fused optimizer.
@@ -14,18 +14,18 @@ import torch
 from torch import nn
 
 from gem_train.data.synthetic import SyntheticAds
-from gem_train.optim import RowWiseAdagrad
-from gem_train.run import PendingStep, Run
-from gem_train.trainer import NonFiniteLossError, Trainer
+from gem_train.loop.optim import RowWiseAdagrad
+from gem_train.loop.step import BuiltRun, PendingStep
+from gem_train.loop.trainer import NonFiniteLossError, Trainer
 
 # Log every 4 steps: steps 1-3 of each window are read one step late.
 FUSED = ("optim.adamw_impl=fused", "train.log_every=4", "checkpoint.every=0")
 
 
 def _record_calls(monkeypatch) -> list[str]:
-    """Wrap Run.queue_step, Run.train_step and PendingStep.result: the order of the calls."""
+    """Wrap BuiltRun.queue_step, BuiltRun.train_step and PendingStep.result: the order of the calls."""
     calls: list[str] = []
-    q, t, r = Run.queue_step, Run.train_step, PendingStep.result
+    q, t, r = BuiltRun.queue_step, BuiltRun.train_step, PendingStep.result
 
     def queue_step(self, batch, step):
         calls.append("queue")
@@ -39,8 +39,8 @@ def _record_calls(monkeypatch) -> list[str]:
         calls.append("read")
         return r(self)
 
-    monkeypatch.setattr(Run, "queue_step", queue_step)
-    monkeypatch.setattr(Run, "train_step", train_step)
+    monkeypatch.setattr(BuiltRun, "queue_step", queue_step)
+    monkeypatch.setattr(BuiltRun, "train_step", train_step)
     monkeypatch.setattr(PendingStep, "result", result)
     return calls
 

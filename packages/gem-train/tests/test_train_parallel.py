@@ -4,7 +4,7 @@ tables (sharding groups of 2, 2 replicas) and Base Batch Shuffling.
 One 4-process launch (start-up dominates, so it does several things):
 - an uninterrupted run; its loss curve is compared below with one process on the same batches (each
   rank's balanced stream rebuilt in the one process, gradient accumulation over the 4 ranks' batches, the
-  2D tables' per-replica updates averaged: :mod:`gem_train.reference`);
+  2D tables' per-replica updates averaged: ``benchmarks/one_process_reference.py``);
 - a run SIGTERMed on one rank: every rank stops after the same step and checkpoints; resuming it on the
   same 4 processes gives bit-identical losses;
 - distributed evaluation of one checkpoint (a plain model on every rank) equals the single-process one.
@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,13 @@ from gem_train.checkpoint import list_checkpoints, load_checkpoint, read_trainer
 from gem_train.config import TrainConfig, load_config
 from gem_train.data.balance import reshard_balancer
 from gem_train.data.synthetic import SyntheticAds
-from gem_train.evaluation import evaluate_model
-from gem_train.reference import same_batches_losses
-from gem_train.run import Run, build_run
-from gem_train.trainer import Trainer
+from gem_train.evaluation.evaluate import evaluate_model
+from gem_train.loop.build import build_run
+from gem_train.loop.step import BuiltRun
+from gem_train.loop.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))  # the one-process oracle
+from one_process_reference import same_batches_losses
 
 STEPS = 30
 CKPT = 10  # checkpoint.every
@@ -67,9 +71,9 @@ def _cfg(out: str | Path, *extra: str) -> TrainConfig:
 
 
 def _record_trained(sink: list[torch.Tensor], sigterm_at: int | None = None):
-    """Wrap Run.train_step: append each trained batch's dense features (they identify the samples) to
+    """Wrap BuiltRun.train_step: append each trained batch's dense features (they identify the samples) to
     ``sink``; SIGTERM this process during 0-based step ``sigterm_at``. Returns the undo function."""
-    orig = Run.train_step
+    orig = BuiltRun.train_step
 
     def train_step(self, batch, step):
         sink.append(batch.dense.detach().cpu().clone())
@@ -77,8 +81,8 @@ def _record_trained(sink: list[torch.Tensor], sigterm_at: int | None = None):
             os.kill(os.getpid(), signal.SIGTERM)
         return orig(self, batch, step)
 
-    Run.train_step = train_step  # type: ignore[method-assign]
-    return lambda: setattr(Run, "train_step", orig)
+    BuiltRun.train_step = train_step  # type: ignore[method-assign]
+    return lambda: setattr(BuiltRun, "train_step", orig)
 
 
 def _eval_plain(cfg: TrainConfig, ckpt: Path) -> dict:

@@ -553,7 +553,7 @@ def _parquet_run(table_dir, out, *extra):
 
 
 def test_train_and_resume_on_a_table_with_only_a_config(table_dir, tmp_path):
-    from gem_train.trainer import Trainer
+    from gem_train.loop.trainer import Trainer
 
     full = Trainer(_parquet_run(table_dir, tmp_path / "a", "train.steps=6")).fit()
     assert full.status == "completed" and set(full.final_eval.tasks) == {"ctr", "cvr"}
@@ -617,8 +617,8 @@ def ml_parquet(tmp_path_factory):
 
 
 def test_movielens_parquet_gives_the_built_in_batches_and_metrics(ml_parquet, tmp_path):
-    from gem_train.run import build_source
-    from gem_train.trainer import Trainer
+    from gem_train.loop.build import build_source
+    from gem_train.loop.trainer import Trainer
 
     out, base = ml_parquet
     small = [

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import gem_model as gm
-from gem_train.prefetch import DevicePrefetcher
+from gem_train.loop.prefetch import DevicePrefetcher
 
 SPEC = gm.get_config("tiny").features
 
@@ -112,7 +112,7 @@ def test_cuda_training_loop_with_the_host_thread_matches_without_it(tmp_path, sm
     (``trainer.HOST_AHEAD``): same batches, same order, so the same losses as without the thread (up to
     the GPU's non-deterministic sums: atomics in embedding backward, ~1e-6 relative over 6 steps of the tiny
     model; 1e-4 still catches a skipped or reordered batch, which changes a loss by >= 1e-2)."""
-    import gem_train.trainer as trainer_mod
+    import gem_train.loop.trainer as trainer_mod
 
     extra = ("run.device=cuda", "data.num_workers=2", "train.steps=6", "train.log_every=3")
     with_thread = trainer_mod.Trainer(small_config(tmp_path / "a", *extra)).fit()

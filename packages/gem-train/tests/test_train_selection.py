@@ -7,11 +7,11 @@ import warnings
 import numpy as np
 import pytest
 
-import gem_train.selection as selection_mod
+import gem_train.evaluation.selection as selection_mod
 from gem_train.checkpoint import read_trainer_state
 from gem_train.cli import main
 from gem_train.config import ConfigError
-from gem_train.trainer import Trainer
+from gem_train.loop.trainer import Trainer
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -1,9 +1,11 @@
-"""gem_parallel: device meshes, FSDP2/HSDP, expert parallelism, TorchRec sparse sharding, load balancing."""
+"""gem_parallel: preparing a model for training (``parallelize``): precision, per-layer compile, activation
+checkpointing, device meshes, FSDP2/HSDP, expert parallelism, TorchRec sparse sharding; load balancing."""
 
+from gem_parallel.activation_checkpoint import allocate_region_budgets, selective_policy
 from gem_parallel.activation_memory import retained_bytes, saved_tensor_bytes
 from gem_parallel.all_gather import QuantizedAllGatherWeight
-from gem_parallel.checkpointing import allocate_region_budgets, selective_policy
 from gem_parallel.comm_bytes import CollectiveBytes
+from gem_parallel.compile import compile_counters, compile_layers, configure_compile_cache
 from gem_parallel.config import FSDPConfig, ParallelConfig
 from gem_parallel.dims import DENSE_AXES, SPARSE_AXES, ParallelDims
 from gem_parallel.expert import LocalExperts
@@ -21,6 +23,9 @@ __all__ = [
     "ParallelDims",
     "QuantizedAllGatherWeight",
     "allocate_region_budgets",
+    "compile_counters",
+    "compile_layers",
+    "configure_compile_cache",
     "parallelize",
     "retained_bytes",
     "saved_tensor_bytes",

@@ -8,7 +8,7 @@ Every field is validated in ``__post_init__``; an error names the field (``Paral
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -17,14 +17,24 @@ __all__ = [
     "ALL_GATHER_FORMATS",
     "EMBEDDING_STRATEGIES",
     "SAVED_ACTIVATION_FORMATS",
+    "ActivationCheckpointing",
+    "AllGatherFormat",
+    "EmbeddingStrategy",
     "FSDPConfig",
     "ParallelConfig",
+    "SavedActivationFormat",
 ]
 
-ALL_GATHER_FORMATS = ("bf16", "fp8", "mxfp8")
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "budget")
-SAVED_ACTIVATION_FORMATS = ("bf16", "fp8", "mxfp8")
-EMBEDDING_STRATEGIES = ("1d", "2d", "fully_sharded_2d")
+# The choices of each option, as types (for configs built on this one, e.g. gem-train's [parallel]) and as
+# tuples (for checks and messages).
+AllGatherFormat = Literal["bf16", "fp8", "mxfp8"]
+ActivationCheckpointing = Literal["none", "full", "selective", "budget"]
+SavedActivationFormat = Literal["bf16", "fp8", "mxfp8"]
+EmbeddingStrategy = Literal["1d", "2d", "fully_sharded_2d"]
+ALL_GATHER_FORMATS: tuple[str, ...] = get_args(AllGatherFormat)
+ACTIVATION_CHECKPOINTING: tuple[str, ...] = get_args(ActivationCheckpointing)
+SAVED_ACTIVATION_FORMATS: tuple[str, ...] = get_args(SavedActivationFormat)
+EMBEDDING_STRATEGIES: tuple[str, ...] = get_args(EmbeddingStrategy)
 
 _DTYPE_NAMES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -113,6 +123,8 @@ class ParallelConfig:
         compile: ``torch.compile`` each layer of ``model.layers``.
         precision: a gem-precision ``Recipe``: convert the model's linear layers (``gem_precision.convert``)
             before anything else; None keeps them.
+        precision_min_features / precision_keep_last_blocks: ``convert``'s ``min_features`` (narrower layers
+            stay unconverted) and ``keep_last_blocks`` (the last N blocks stay unconverted).
         embeddings: how the embedding tables are sharded (by the sparse half of gem-parallel): "1d", "2d"
             or "fully_sharded_2d"; None leaves the tables as they are, and FSDP treats them as ordinary
             dense parameters.
@@ -122,14 +134,16 @@ class ParallelConfig:
 
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     expert_parallel: bool = False
-    all_gather: Literal["bf16", "fp8", "mxfp8"] = "bf16"
+    all_gather: AllGatherFormat = "bf16"
     all_gather_min_numel: int = 16384
-    activation_checkpointing: Literal["none", "full", "selective", "budget"] = "none"
+    activation_checkpointing: ActivationCheckpointing = "none"
     memory_budget: float = 0.5
-    saved_activations: Literal["bf16", "fp8", "mxfp8"] = "bf16"
+    saved_activations: SavedActivationFormat = "bf16"
     compile: bool = False
     precision: Any = None
-    embeddings: Literal["1d", "2d", "fully_sharded_2d"] | None = None
+    precision_min_features: int = 128
+    precision_keep_last_blocks: int = 0
+    embeddings: EmbeddingStrategy | None = None
     embedding_sync_every: int = 1
     embedding_lr: float = 0.05
     embedding_eps: float = 1e-8
@@ -162,6 +176,8 @@ class ParallelConfig:
             raise ValueError(
                 f"{owner}.precision must be a gem_precision.Recipe or None, got {self.precision!r}"
             )
+        _check_int(owner, "precision_min_features", self.precision_min_features, 0)
+        _check_int(owner, "precision_keep_last_blocks", self.precision_keep_last_blocks, 0)
         if self.embeddings is not None:
             _check_choice(owner, "embeddings", self.embeddings, EMBEDDING_STRATEGIES)
         _check_int(owner, "embedding_sync_every", self.embedding_sync_every, 1)

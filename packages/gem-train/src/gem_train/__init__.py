@@ -1,97 +1,62 @@
 """gem_train: the ``gem-train`` command — configs, data, training loop, evaluation, checkpoints, MFU.
 
-The public API below is what the command is built from; ``gem-train --help`` is the user interface.
+The public face is small: a config (:class:`TrainConfig`, :func:`load_config`), the run builder
+(:func:`build_run` -> :class:`BuiltRun`), the loop (:class:`Trainer` -> :class:`TrainResult`) and the command
+(:func:`main`). The rest lives in subpackages, one job each:
+
+- :mod:`gem_train.config`: the TOML schema, loading, overrides (at the bottom: imports no other part);
+- :mod:`gem_train.data`: the datasets (synthetic, MovieLens-100K, your own Parquet files), loaders, balancing;
+- :mod:`gem_train.loop`: the run builder, the step and its pipeline, the trainer, optimizers, signals,
+  non-finite handling, prefetch, the translation of the config for gem-parallel;
+- :mod:`gem_train.checkpoint`: atomic, verified DCP checkpoints (layout, files, state, RNG, save, load);
+- :mod:`gem_train.evaluation.evaluate`: evaluation, model selection, metrics, reports, plots, the baselines;
+- :mod:`gem_train.cli`: the ``gem-train`` command and ``gem-train launch``.
+
+Names are imported on first use (PEP 562), so ``import gem_train`` and ``gem-train --help`` load no torch.
 """
 
-from gem_train.baseline import BaselineMLP
-from gem_train.checkpoint import (
-    CheckpointError,
-    best_checkpoint,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    read_trainer_state,
-    save_best_checkpoint,
-    save_checkpoint,
-    verify_checkpoint,
-    wait_for_checkpoints,
-)
-from gem_train.config import SHIPPED_CONFIGS, ConfigError, TrainConfig, load_config
-from gem_train.data.loader import BatchSource, LoadedBatch, make_eval_loader, make_train_loader
-from gem_train.data.movielens import MovieLens100K, MovieLensFormatError, fetch_movielens_100k
-from gem_train.data.parquet.config import ParquetConfig
-from gem_train.data.parquet.errors import ParquetDataError
-from gem_train.data.parquet.inspect import inspect_dataset
-from gem_train.data.parquet.reader import ParquetSource
-from gem_train.data.synthetic import SyntheticAds
-from gem_train.evaluation import EvalResult, evaluate_model, selection_value
-from gem_train.metrics import (
-    BinaryMetrics,
-    auc,
-    binary_metrics,
-    calibration,
-    log_loss,
-    normalized_entropy,
-    reliability_bins,
-)
-from gem_train.mfu import PEAK_FLOPS, device_peak_flops
-from gem_train.model_factory import build_gem_config, build_model
-from gem_train.optim import RowWiseAdagrad, build_optimizers, lr_factor
-from gem_train.run import Run, build_run
-from gem_train.run_dir import RunDir
-from gem_train.trainer import NonFiniteLossError, Trainer, TrainResult
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gem_train.cli import main
+    from gem_train.config import ConfigError, TrainConfig, load_config
+    from gem_train.loop.build import build_run
+    from gem_train.loop.step import BuiltRun
+    from gem_train.loop.trainer import Trainer, TrainResult
 
 __version__ = "0.1.0"
 
+_HOMES = {
+    "BuiltRun": "gem_train.loop.step",
+    "ConfigError": "gem_train.config",
+    "TrainConfig": "gem_train.config",
+    "TrainResult": "gem_train.loop.trainer",
+    "Trainer": "gem_train.loop.trainer",
+    "build_run": "gem_train.loop.build",
+    "load_config": "gem_train.config",
+    "main": "gem_train.cli",
+}
+
 __all__ = [
-    "PEAK_FLOPS",
-    "SHIPPED_CONFIGS",
-    "BaselineMLP",
-    "BatchSource",
-    "BinaryMetrics",
-    "CheckpointError",
+    "BuiltRun",
     "ConfigError",
-    "EvalResult",
-    "LoadedBatch",
-    "MovieLens100K",
-    "MovieLensFormatError",
-    "NonFiniteLossError",
-    "ParquetConfig",
-    "ParquetDataError",
-    "ParquetSource",
-    "RowWiseAdagrad",
-    "Run",
-    "RunDir",
-    "SyntheticAds",
     "TrainConfig",
     "TrainResult",
     "Trainer",
-    "auc",
-    "best_checkpoint",
-    "binary_metrics",
-    "build_gem_config",
-    "build_model",
-    "build_optimizers",
     "build_run",
-    "calibration",
-    "device_peak_flops",
-    "evaluate_model",
-    "fetch_movielens_100k",
-    "inspect_dataset",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_checkpoint",
     "load_config",
-    "log_loss",
-    "lr_factor",
-    "make_eval_loader",
-    "make_train_loader",
-    "normalized_entropy",
-    "read_trainer_state",
-    "reliability_bins",
-    "save_best_checkpoint",
-    "save_checkpoint",
-    "selection_value",
-    "verify_checkpoint",
-    "wait_for_checkpoints",
+    "main",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'gem_train' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -9,7 +9,7 @@ from typing import Literal
 from gem_train.config.checks import ConfigError
 from gem_train.config.checks import int_in as _int_in
 from gem_train.config.checks import real as _real
-from gem_train.data.parquet.config import ParquetConfig  # [data.parquet] (issue 17)
+from gem_train.config.parquet import ParquetConfig  # [data.parquet] (issue 17)
 
 __all__ = ["DataConfig", "MovieLensConfig", "ParquetConfig", "SyntheticConfig"]
 

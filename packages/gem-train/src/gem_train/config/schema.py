@@ -6,7 +6,7 @@ key; types are checked when the TOML is read (:mod:`gem_train.config.typed`). Th
 
 The ``[model]`` section names a gem-model config (``gem_model.get_config(name)``) and may override its fields
 in ``[model.overrides]``; those are checked against ``GemConfig`` when the model is built
-(:func:`gem_train.model_factory.build_gem_config`), because the field set belongs to gem-model.
+(:func:`gem_train.loop.model.build_gem_config`), because the field set belongs to gem-model.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from gem_train.config.checks import ConfigError
 from gem_train.config.checks import int_in as _int_in
 from gem_train.config.checks import real as _real
 from gem_train.config.data import DataConfig
+from gem_train.config.gbdt import GbdtConfig
 from gem_train.config.parallel import ParallelSection
 
 __all__ = [
@@ -72,9 +73,11 @@ class BaselineConfig:
 
     embedding_dim: int = 16
     hidden: list[int] = field(default_factory=lambda: [128, 64])  # [] = logistic regression
+    dropout: float = 0.0  # after each hidden layer (training only)
 
     def validate(self, key: str = "model.baseline") -> None:
         _int_in(f"{key}.embedding_dim", self.embedding_dim, 1)
+        _real(f"{key}.dropout", self.dropout, 0.0, 1.0, hi_open=True)
         for i, h in enumerate(self.hidden):
             _int_in(f"{key}.hidden[{i}]", h, 1)
 
@@ -91,13 +94,15 @@ class ModelSection:
     name: str = "tiny"
     overrides: dict[str, Any] = field(default_factory=dict)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
+    gbdt: GbdtConfig = field(default_factory=GbdtConfig)  # gem-train baseline --model gbdt
 
     def validate(self, key: str = "model") -> None:
         # The name and the overrides belong to gem-model: checked against it when the run is built
-        # (gem_train.model_factory.build_gem_config), still before the run directory exists.
+        # (gem_train.loop.model.build_gem_config), still before the run directory exists.
         if not self.name:
             raise ConfigError(f"{key}.name must name a gem-model config (e.g. 'tiny'), got ''")
         self.baseline.validate(f"{key}.baseline")
+        self.gbdt.validate(f"{key}.gbdt")
 
 
 @dataclass
@@ -152,7 +157,7 @@ class TrainerConfig:
     autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     nan_policy: Literal["stop", "skip"] = "stop"
     max_skipped_batches: int = 10  # with nan_policy="skip": stop after this many non-finite losses
-    peak_flops: float = 0.0  # MFU denominator; 0: look the device up in gem_train.mfu.PEAK_FLOPS
+    peak_flops: float = 0.0  # MFU denominator; 0: look the device up in gem_train.loop.mfu.PEAK_FLOPS
     progress_bar: bool = True
     compile: bool = False  # torch.compile the model
     # Read a step's loss after queueing the next one (no host sync between two steps) where the optimizers

@@ -15,7 +15,7 @@ from typing import Any
 
 from gem_train.config import ConfigError, TrainConfig
 from gem_train.data.balance import POLICY, BalancedTrainStream, Sample, balanced_stream, reshard_balancer
-from gem_train.distributed import DistInfo, all_gather_object
+from gem_train.loop.distributed import DistInfo, all_gather_object
 
 __all__ = ["BalancerPosition", "balancer_extra", "resume_balancer"]
 

@@ -23,7 +23,8 @@ depends on the worker or process generating them, which makes the stream resumab
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ from gem_model import FeatureSpec, GemBatch, JaggedSequence, SequenceFeature, Sp
 from gem_train.config import SyntheticConfig
 from gem_train.data.loader import LoadedBatch
 from gem_train.data.split import HELD_OUT, Split, check_split
-from gem_train.metrics import ground_truth_ne  # re-exported: the floor of this dataset's NE
+from gem_train.evaluation.metrics import ground_truth_ne  # re-exported: the floor of this dataset's NE
 
 __all__ = ["SyntheticAds", "SyntheticBatch", "expected_sigmoid", "ground_truth_ne", "history_signals"]
 
@@ -156,6 +157,11 @@ class SyntheticAds:
             tasks=("ctr", "cvr"),
         )
         self._build_world()
+
+    def data_identity(self) -> dict[str, Any]:
+        """The data is a pure function of the generator's settings and the seed: they are its identity
+        (:mod:`gem_train.data.identity`); there is no content beyond them to compare."""
+        return {"source": "synthetic", "settings": {"seed": self.seed, **asdict(self.cfg)}, "content": {}}
 
     # ------------------------------------------------------------------------------------------------------
     # The hidden world

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gem_model import FeatureSpec, SequenceFeature, SparseFeature
-from gem_train.data.parquet.config import DenseColumns, ParquetConfig, SequenceColumns, SparseColumn
+from gem_train.config.parquet import DenseColumns, ParquetConfig, SequenceColumns, SparseColumn
 from gem_train.data.parquet.errors import ParquetDataError
 
 __all__ = ["ParquetLayout", "SplitFiles", "resolve_root", "split_files"]
