@@ -21,6 +21,7 @@ from gem_parallel.balance.__main__ import main as cli
 from gem_parallel.balance.simulation import (
     LengthLaw,
     SimConfig,
+    _shared_level,
     global_largest_first,
     sample_lengths,
     simulate,
@@ -182,3 +183,29 @@ def test_cli(tmp_path, capsys) -> None:
     ].keys()
     printed = capsys.readouterr().out
     assert "| zipf | 4 | 8 | 2 | 0 | 0.02 | bbs_capped_running |" in printed and "step constant 3" in printed
+
+
+def test_shared_level_is_the_mean_of_everything_read_at_step_0() -> None:
+    """``shared``: one number for every rank, the plain mean over all samples every rank has read before its
+    first batch (history and first pool, chunked ranks); close to the exact level, and the shared run balances
+    like the known one, better than the ranks' own running means."""
+    law = LengthLaw("lognormal", mean=64.0, max_len=256)
+    cost = MixCost(64.0, 1.0, 0.0)
+    levels, capped = ("running", "known", "shared"), ("capped",)
+    cfg = SimConfig(ranks=12, batch=8, pool_batches=4, steps=10, warmup=4, history=2, global_steps=1,
+                    rank_chunk=5, levels=levels, policies=capped, law=law)  # fmt: skip
+    read = []
+    for c0 in range(0, 12, 5):  # the draws of each chunk: its first pool, then its history
+        g = torch.Generator().manual_seed(3 * 1_000_003 + c0)
+        r = min(5, 12 - c0)
+        read += [cost.sample_costs(law.sample((r * 32,), g)), cost.sample_costs(law.sample((r * 16,), g))]
+    reference = torch.cat(read).mean()
+    assert _shared_level(cost, cfg, 3) == pytest.approx(float(reference), rel=1e-12)
+    pmf = law.pmf()
+    mu = float((pmf * cost.sample_costs(torch.arange(1, 257, dtype=torch.float64))).sum())
+    assert abs(float(reference) / mu - 1) < 0.1  # the mean of 576 samples
+    cfg = SimConfig(ranks=64, batch=16, pool_batches=4, steps=30, warmup=5, global_steps=1,
+                    levels=levels, policies=capped, law=law)  # fmt: skip
+    m = simulate(cost, cfg)["methods"]
+    assert m["bbs_capped_shared"]["mean"] < m["bbs_capped_running"]["mean"]
+    assert abs(m["bbs_capped_shared"]["mean"] - m["bbs_capped_known"]["mean"]) < 0.02

@@ -20,7 +20,9 @@ Methods, all from independent streams (rank r reads its own ``batch`` samples pe
   (the same policy functions, batched over ranks), ``level`` being the expected cost per sample the policy
   aims at: ``known`` (exact, an oracle) or ``running`` (the mean over the samples the rank has read, as the
   shuffler builds it when not given ``mean_cost``; ``history`` batches are counted as read before step 0:
-  0 is a cold start).
+  0 is a cold start) or ``shared`` (the mean over every rank's running sums at step 0, after each has filled
+  its first pool, then fixed: what one all-reduce of two numbers per rank at the start gives, passed to every
+  rank's shuffler as ``mean_cost``; not simulated by default).
 
 Every rank is simulated (no extrapolation); ranks are processed in chunks of ``rank_chunk`` to bound memory.
 """
@@ -51,7 +53,7 @@ __all__ = [
 DISTRIBUTIONS = ("lognormal", "zipf")
 ZIPF_ALPHA = 1.05
 SIM_POLICIES = ("capped", "sliding")
-LEVELS = ("running", "known")
+LEVELS = ("running", "known", "shared")
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class SimConfig:
     rank_chunk: int = 256
     seed: int = 0
     policies: tuple[str, ...] = SIM_POLICIES
-    levels: tuple[str, ...] = LEVELS
+    levels: tuple[str, ...] = ("running", "known")
     law: LengthLaw = field(default_factory=LengthLaw)
 
     def __post_init__(self) -> None:
@@ -184,6 +186,18 @@ def _history_sums(cost: CostModel, cfg: SimConfig, r: int, g: torch.Generator) -
     return n * mean + math.sqrt(n * var) * torch.randn(r, generator=g, dtype=torch.float64)
 
 
+def _shared_level(cost: CostModel, cfg: SimConfig, seed: int) -> float:
+    """The ``shared`` level: every rank's running sum at step 0 (its history and first pool, drawn exactly as
+    :func:`simulate_bbs` draws them), summed over all ranks, over all samples read."""
+    total, n = 0.0, cfg.pool_batches * cfg.batch
+    for c0 in range(0, cfg.ranks, cfg.rank_chunk):
+        r = min(cfg.rank_chunk, cfg.ranks - c0)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + c0)
+        pool = _costs(cost, cfg.law, (r, n), g)
+        total += float(pool.sum() + _history_sums(cost, cfg, r, g).sum())
+    return total / (cfg.ranks * (cfg.history * cfg.batch + n))
+
+
 def simulate_bbs(
     cost: CostModel, cfg: SimConfig, policy: str, level: str, mu: float, seed: int
 ) -> dict[str, Any]:
@@ -200,6 +214,7 @@ def simulate_bbs(
     out = torch.empty((total, cfg.ranks), dtype=torch.float64)
     wait_hist = torch.zeros(max_wait + 2, dtype=torch.int64)
     forced_n, held_max = 0, -math.inf
+    fixed = _shared_level(cost, cfg, seed) if level == "shared" else mu  # the level unless "running"
     for c0 in range(0, cfg.ranks, cfg.rank_chunk):
         r = min(cfg.rank_chunk, cfg.ranks - c0)
         g = torch.Generator().manual_seed(seed * 1_000_003 + c0)
@@ -208,9 +223,9 @@ def simulate_bbs(
         valid = torch.ones((r, n), dtype=torch.bool)
         seen_sum = _history_sums(cost, cfg, r, g) + pool.sum(1)
         seen_n = float(cfg.history * b + n)
-        known = torch.full((r,), mu, dtype=torch.float64)
+        known = torch.full((r,), fixed, dtype=torch.float64)
         for t in range(total):
-            lvl = known if level == "known" else seen_sum / seen_n
+            lvl = seen_sum / seen_n if level == "running" else known
             excess = pool.sum(1) - n * lvl
             hard = age >= max_wait
             forced_n += int(hard.sum())
