@@ -15,7 +15,7 @@ from gem_train.config.typed import config_from_dict
 
 __all__ = ["SHIPPED_CONFIGS", "dumps_toml", "load_config"]
 
-SHIPPED_CONFIGS: tuple[str, ...] = ("tiny-cpu", "movielens", "base-h200", "movielens-parquet")
+SHIPPED_CONFIGS: tuple[str, ...] = ("tiny-cpu", "movielens", "base-h200", "large-h200", "movielens-parquet")
 
 
 def _read_shipped(name: str) -> str:
