@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +131,9 @@ class BuiltRun:
     dense_params: list[nn.Parameter]
     autocast_dtype: torch.dtype | None
     peak_flops: float | None
+    # (logits, batch) -> (loss, per-task detached losses): multitask_loss, or [distill]'s
+    # (gem_train.transfer.losses).
+    loss_fn: Callable[[dict[str, Tensor], GemBatch], tuple[Tensor, dict[str, Tensor]]] = multitask_loss
 
     @property
     def built(self) -> BuiltModel:
@@ -227,7 +231,7 @@ class BuiltRun:
             set_lr(self.dense_opt, o.lr * lr_factor(step, cfg.train.steps, o.warmup_steps, o.min_lr_ratio))
         with self.autocast():
             logits = self.train_model(batch)
-        loss, per_task = multitask_loss(logits, batch)
+        loss, per_task = self.loss_fn(logits, batch)
         loss.backward()
         return loss, per_task
 
