@@ -242,6 +242,9 @@ def test_student_trains_and_evaluates_without_the_teacher(teacher, tmp_path, cap
     assert main(["eval", "--checkpoint", ckpt]) == 0
     with_teacher_files = _eval_lines(capsys)
     embeddings = "distill.embeddings=true" in extra
+    if embeddings:  # the student scores data too: its stored features are joined into predict's batches
+        scored = run_predict(cfg, ckpt, tmp_path / "student-preds", ("test",), progress=False)
+        assert scored.rows == {"test": 75}
     # Soft labels are gone: only the stored representations (features) stay needed.
     for p in out.glob("train-*.parquet"):
         p.unlink()

@@ -60,7 +60,7 @@ class PredictResult:
     manifest: dict[str, Any]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def forward_outputs(
     model: nn.Module,
     batch: GemBatch,

@@ -63,8 +63,11 @@ def shard_columns(columns: dict[str, np.ndarray], embedding: np.ndarray | None) 
     ``[n, D]`` float32 ``embedding`` as a fixed-size list column."""
     arrays, names = [], []
     for name, values in columns.items():
-        if values.dtype == object:
-            arrays.append(pa.array(values.tolist(), type=pa.string()).dictionary_encode())
+        if values.dtype == object and len(values) and (values == values[0]).all():  # e.g. the split
+            codes = pa.array(np.zeros(len(values), np.int8))
+            arrays.append(pa.DictionaryArray.from_arrays(codes, pa.array([str(values[0])], pa.string())))
+        elif values.dtype == object:
+            arrays.append(pa.array(values, type=pa.string()))
         else:
             arrays.append(pa.array(values))
         names.append(name)

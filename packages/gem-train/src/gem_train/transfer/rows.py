@@ -32,7 +32,7 @@ __all__ = [
     "batch_keys",
     "dataset_kind",
     "fingerprint",
-    "history_event_keys",
+    "history_events",
     "join_columns",
     "split_plan",
 ]
@@ -119,26 +119,23 @@ def batch_keys(source: BatchSource, split: str, lb: LoadedBatch, batch_size: int
     return {k: keys[k] for k in join_columns(source)}
 
 
-def history_event_keys(source: BatchSource, split: str, lb: LoadedBatch, batch_size: int) -> tuple[
-    np.ndarray, np.ndarray
-]:  # fmt: skip
-    """``(offsets [B+1], event [total])``: the MovieLens event index of every history event of every row of
-    ``lb``, in the batch's history order (the same computation as ``MovieLens100K.make_batch``)."""
+def history_events(source: BatchSource, events: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(offsets [B+1], history [total])``: the MovieLens event index of every history event of the
+    example events ``events`` ``[B]``, in history order (the computation of ``MovieLens100K.make_batch``)."""
     if dataset_kind(source) != "movielens-100k":
         raise ConfigError(
             "distill.embedding_history needs history events that are examples with stored representations "
             "(data.source = 'movielens-100k')"
         )
     ml = _inner(source)
-    rows = ml.rows(split, lb.index, batch_size)
-    start = ml.ev.user_start[ml.ev.user[rows]]
-    pos = ml.hist_end[rows]
+    start = ml.ev.user_start[ml.ev.user[events]]
+    pos = ml.hist_end[events]
     lo = np.maximum(0, pos - ml.cfg.max_len)
     lengths = (pos - lo).astype(np.int64)
     offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-    owner = np.repeat(np.arange(len(rows)), lengths)
-    events = start[owner] + lo[owner] + (np.arange(offsets[-1]) - offsets[owner])
-    return offsets, events.astype(np.int64)
+    owner = np.repeat(np.arange(len(events)), lengths)
+    history = start[owner] + lo[owner] + (np.arange(offsets[-1]) - offsets[owner])
+    return offsets, history.astype(np.int64)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -164,7 +161,15 @@ class SplitPlan:
         return min(hi * self.batch_size, self.rows) - lo * self.batch_size
 
     def batches(self, lo: int, hi: int) -> Iterator[tuple[GemBatch, dict[str, np.ndarray]]]:
-        """Batches ``[lo, hi)`` of the plan, in order."""
+        """Batches ``[lo, hi)`` of the plan, in order (with a student's stored features joined in: a
+        source with ``join_features``, :class:`gem_train.transfer.source.DistillSource`)."""
+        join = getattr(self.source, "join_features", None)
+        for j, (batch, keys) in enumerate(self._raw(lo, hi)):
+            if join is not None:
+                batch = join(self.split, batch, keys, f"{self.split} batch {lo + j}")
+            yield batch, keys
+
+    def _raw(self, lo: int, hi: int) -> Iterator[tuple[GemBatch, dict[str, np.ndarray]]]:
         inner = _inner(self.source)
         if self.kind == "movielens-100k":
             rows_all = _movielens_rows(inner, self.split)

@@ -27,7 +27,7 @@ from gem_train.config import ConfigError, TrainConfig
 from gem_train.data.loader import BatchSource, LoadedBatch
 from gem_train.transfer.batch import with_teacher
 from gem_train.transfer.errors import TransferDataError
-from gem_train.transfer.rows import batch_keys, dataset_kind, history_event_keys
+from gem_train.transfer.rows import batch_keys, dataset_kind, history_events
 from gem_train.transfer.teacher import LiveTeacher, TeacherTable
 
 __all__ = ["DistillSource", "transfer_source"]
@@ -73,6 +73,11 @@ class DistillSource:
                 "representations (data.source = 'movielens-100k')"
             )
         self.labels = training and d.needs_teacher_labels
+        if self.labels and cfg.parallel.balancer != "none":
+            raise ConfigError(
+                f"parallel.balancer = {cfg.parallel.balancer!r} rebuilds the training batches without the "
+                "teacher's labels: use 'none' with distill.mode / distill.adapter"
+            )
         stored = d.embeddings or d.embedding_history
         splits = [
             s for s in ("train", "valid", "test") if inner.num_batches(s, cfg.data.eval_batch_size) != 0
@@ -83,11 +88,11 @@ class DistillSource:
         self.table = None
         if d.teacher and (self.labels or stored):
             self.table = TeacherTable(d.teacher, cfg, inner, want, embeddings=stored)
-        self.live = (
-            LiveTeacher(d.teacher_checkpoint, inner.spec, device)
-            if d.teacher_checkpoint and self.labels
-            else None
-        )
+        self.live = None
+        if d.teacher_checkpoint and self.labels:
+            # Loader worker processes cannot use CUDA: the teacher runs on the CPU there.
+            teacher_device = device if cfg.data.num_workers == 0 else torch.device("cpu")
+            self.live = LiveTeacher(d.teacher_checkpoint, inner.spec, teacher_device)
         width = self.table.embedding_dim if self.table is not None else 0
         extra = width * (int(d.embeddings) + int(d.embedding_history))
         self.spec = dataclasses.replace(inner.spec, n_dense=inner.spec.n_dense + extra)
@@ -116,28 +121,19 @@ class DistillSource:
     # -- the join -------------------------------------------------------------------------------------------
 
     def join(self, split: str, lb: LoadedBatch, batch_size: int) -> LoadedBatch:
-        """``lb`` with the teacher's data of its rows joined in (in place; returned)."""
+        """``lb`` (batch ``lb.index`` of ``split``, as the loader reads it) with the teacher's data of its
+        rows joined in (in place; returned)."""
         d = self.cfg.distill
         raw: GemBatch = lb.batch
         what = f"{split} batch {lb.index}"
-        rows = None
-        if self.table is not None and (d.embeddings or (self.labels and split == "train")):
-            rows = self.table.rows(batch_keys(self.inner, split, lb, batch_size), what)
-        extra = []
-        if d.embeddings:
-            assert self.table is not None and self.table.embeddings is not None and rows is not None
-            extra.append(torch.from_numpy(self.table.embeddings[rows]))
-        if d.embedding_history:
-            extra.append(self._history_mean(split, lb, batch_size, what))
-        batch = raw
-        if extra:
-            batch = dataclasses.replace(raw, dense=torch.cat([raw.dense, *extra], dim=1))
+        keys = batch_keys(self.inner, split, lb, batch_size) if self.table is not None else {}
+        batch = self.join_features(split, raw, keys, what)
         if self.labels and split == "train":
             if self.live is not None:
                 logits = self.live.logits(raw)
             else:
-                assert self.table is not None and rows is not None
-                logits = torch.from_numpy(self.table.logits[rows])
+                assert self.table is not None
+                logits = torch.from_numpy(self.table.logits[self.table.rows(keys, what)])
             age = None
             if d.adapter_age:
                 age = (raw.request_time.to(torch.float64) - d.teacher_trained_until).div(_DAY).float()
@@ -145,12 +141,26 @@ class DistillSource:
         lb.batch = batch
         return lb
 
-    def _history_mean(self, split: str, lb: LoadedBatch, batch_size: int, what: str) -> torch.Tensor:
+    def join_features(self, split: str, raw: GemBatch, keys: dict[str, np.ndarray], what: str) -> GemBatch:
+        """``raw`` with the stored representations of its rows (join columns ``keys``) appended to its
+        dense features, as ``distill.embeddings`` / ``embedding_history`` ask (``raw`` itself otherwise)."""
+        d = self.cfg.distill
+        extra = []
+        if d.embeddings:
+            assert self.table is not None and self.table.embeddings is not None
+            extra.append(torch.from_numpy(self.table.embeddings[self.table.rows(keys, what)]))
+        if d.embedding_history:
+            extra.append(self._history_mean(keys["event"], what))
+        if not extra:
+            return raw
+        return dataclasses.replace(raw, dense=torch.cat([raw.dense, *extra], dim=1))
+
+    def _history_mean(self, events: np.ndarray, what: str) -> torch.Tensor:
         """``[B, D]`` the mean stored representation of each row's history events (0 for no history)."""
         assert self.table is not None and self.table.embeddings is not None
-        offsets, events = history_event_keys(self.inner, split, lb, batch_size)
+        offsets, history = history_events(self.inner, events)
         b = len(offsets) - 1
-        rows = self.table.rows({"event": events}, f"the history events of {what}")
+        rows = self.table.rows({"event": history}, f"the history events of {what}")
         emb = torch.from_numpy(self.table.embeddings[rows])
         lengths = torch.from_numpy(np.diff(offsets))
         owner = torch.repeat_interleave(torch.arange(b), lengths)
@@ -179,4 +189,5 @@ class DistillSource:
             rows = np.arange(need, dtype=np.int64)
             self.table.rows({"split": np.full(need, "train", dtype=object), "row": rows}, "the training rows")
         elif kind == "movielens-100k":
-            self.table.rows({"event": self.inner.train_rows.astype(np.int64)}, "the training events")
+            ml: Any = self.inner
+            self.table.rows({"event": ml.train_rows.astype(np.int64)}, "the training events")

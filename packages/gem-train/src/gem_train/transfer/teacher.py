@@ -202,4 +202,4 @@ class LiveTeacher:
         from gem_train.transfer.predict import forward_outputs
 
         logits, _ = forward_outputs(self.model, batch, self.tasks, self.device, self.autocast)
-        return logits
+        return logits.clone()  # a normal tensor (inference-mode tensors cannot be saved for backward)
