@@ -4,7 +4,9 @@ For each model (GEM ``tiny`` and the MLP baseline, on the ``tiny-cpu`` synthetic
 checkpoint (weights do not change the speed) predicts ``--rows`` test rows into a fresh directory, with
 ``data.num_workers`` 0 (data in the main process) and 1 (data in a loader process beside the model), and
 ``run.cpu_threads`` as given. Also timed apart: making the batches alone, and the model's forward alone on
-batches made beforehand. Writes ``OUT/bench_predict.json`` (with the load average: the machine is shared).
+batches made beforehand. Wall-clock rates depend on what else runs on the machine (it is shared: the load
+average is recorded); ``*_per_cpu_s`` rates divide by this process's CPU time instead, what one dedicated
+core would do. Writes ``OUT/bench_predict.json``.
 
     uv run --no-sync python packages/gem-train/benchmarks/bench_predict.py --out runs/bench_predict
 """
@@ -43,15 +45,18 @@ def _parts(cfg: Any, ckpt: str, rows: int) -> dict[str, float]:
     load_checkpoint(ckpt, run.model, None, restore_rng=False)
     bs = cfg.data.eval_batch_size
     n = rows // bs
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     batches = [run.source.get("test", j, bs).batch for j in range(n)]
-    data = n * bs / (time.perf_counter() - t0)
+    out = {"data_examples_per_s": n * bs / (time.perf_counter() - t0),
+           "data_examples_per_cpu_s": n * bs / (time.process_time() - c0)}  # fmt: skip
     model = run.model.eval()
     forward_outputs(model, batches[0], run.tasks, torch.device("cpu"), None)  # warm-up
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for b in batches:
         forward_outputs(model, b, run.tasks, torch.device("cpu"), None)
-    return {"data_examples_per_s": data, "forward_examples_per_s": n * bs / (time.perf_counter() - t0)}
+    out["forward_examples_per_s"] = n * bs / (time.perf_counter() - t0)
+    out["forward_examples_per_cpu_s"] = n * bs / (time.process_time() - c0)
+    return out
 
 
 def main() -> None:
@@ -76,8 +81,11 @@ def main() -> None:
             cfg = config_from_dict(TrainConfig, apply_overrides(read_trainer_state(ckpt)["config"], over))
             dest = args.out / f"preds-{arch}-{workers}"
             shutil.rmtree(dest, ignore_errors=True)
+            c0 = time.process_time()
             res = run_predict(cfg, ckpt, dest, ("test",), progress=False)
             entry[f"predict_workers{workers}_examples_per_s"] = res.examples_per_s
+            if workers == 0:  # CPU seconds of this process, building the model included: what a core can do
+                entry["predict_workers0_examples_per_cpu_s"] = args.rows / (time.process_time() - c0)
             if workers == 0:
                 entry.update(_parts(cfg, ckpt, min(args.rows, 8192)))
         results[arch] = entry
