@@ -387,3 +387,29 @@ def test_distill_batch_moves_pins_and_selects_its_teacher_fields():
     moved = db.to("cpu")
     assert isinstance(moved, DistillBatch) and torch.equal(moved.teacher_logits, db.teacher_logits)
     assert isinstance(db, GemBatch)
+
+
+@pytest.mark.distributed
+def test_torchrun_two_ranks_train_a_distilled_student_that_evaluates_in_one_process(
+    teacher, tmp_path, capsys
+):
+    """FSDP2 (GEM) with the auxiliary heads and adapters inside the sharded model; each rank joins its own
+    batches' teacher rows; the checkpoint evaluates in one process."""
+    import os
+    import subprocess
+
+    from transfer_fixtures import SMALL
+
+    _, out = teacher
+    runs = tmp_path / "runs"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "-m", "gem_train.cli", "train", *SMALL, f"run.out_dir={runs}", "train.steps=2",
+        f"distill.teacher={out}", "distill.mode=aux", "distill.adapter=linear", "distill.embeddings=true",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ckpt = next(runs.glob("*/checkpoints/step_00000002"))
+    assert main(["eval", "--checkpoint", str(ckpt)]) == 0
+    assert len(_eval_lines(capsys)) == 2
