@@ -1,11 +1,17 @@
-"""The one layout of gem-kernels and gem-precision (gem issue 19), checked on their sources with ``ast``.
+"""The one layout of gem-kernels and gem-precision (gem issues 19 and 33), checked on their sources (``ast``).
 
+- Every op family is a subpackage with the same shape (generative-recommenders': an op face, a reference,
+  a Triton folder or module): ``ops.py`` (checks, custom ops, autograd, dispatch), ``reference.py`` (the
+  PyTorch reference: CPU path and test oracle) and ``triton.py`` or ``triton/`` (the kernels and their
+  launchers), the face re-exported by the family's ``__init__``.
 - No module imports another module's ``_private`` name (``from m import _x``) or reaches for one through a
   module object (``m._x``): helpers shared between modules are public inside the package.
 - The import graph of each package (function-level imports included, ``if TYPE_CHECKING:`` blocks not) has
-  no cycle; in particular ``mx_tensor`` / ``mx`` and the MX Triton kernels no longer import each other.
-- The PyTorch paths (``torch_ops``) never import the Triton kernels, and the kernels never import the public
-  faces that dispatch to them.
+  no cycle; in particular ``MXTensor`` (``mx/tensor.py``), the MX face and the MX kernels do not import each
+  other (``MXTensor.dequantize`` goes through ``mx/dequantize.py`` and dispatch).
+- The PyTorch paths (``reference``, ``cpu``) never import the Triton kernels, and the kernels never import
+  the faces that dispatch to them.
+- No source file is over 500 lines.
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ PACKAGES = {
     "gem_kernels": ROOT / "packages" / "gem-kernels" / "src" / "gem_kernels",
     "gem_precision": ROOT / "packages" / "gem-precision" / "src" / "gem_precision",
 }
-FACES = {
-    "gem_kernels": {"attention", "block", "jagged", "rotary"},
-    "gem_precision": {"mx", "rowwise", "linear", "activations", "convert"},
+FAMILIES = {
+    "gem_kernels": ("attention", "block", "jagged", "rotary"),
+    "gem_precision": ("mx", "rowwise"),
 }
+# Faces that are not op families: the layer, the activation compression and the model conversion.
+OTHER_FACES = {"gem_kernels": set(), "gem_precision": {"linear", "activations", "convert"}}
+MAX_LINES = 500
 
 
 def _modules(pkg: str) -> dict[str, ast.Module]:
@@ -62,13 +71,15 @@ def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
 
 
 def _targets(node: ast.Import | ast.ImportFrom, modules: set[str]) -> set[str]:
-    """The modules of the package that ``node`` imports (``from p import m`` names module ``p.m``)."""
+    """The modules of the package that ``node`` imports: ``from p import m`` names module ``p.m``, and ``p``
+    itself only when it binds a name defined in ``p`` (a submodule importing its siblings through their
+    package, ``from gem_kernels.attention import cpu``, does not depend on the package's face)."""
     if isinstance(node, ast.Import):
         return {a.name for a in node.names if a.name in modules}
     base = node.module or ""
-    out = {base} if base in modules else set()
-    out |= {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
-    return out
+    subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
+    own_names = len(subs) < len(node.names)
+    return ({base} if base in modules and own_names else set()) | subs
 
 
 def _private(name: str) -> bool:
@@ -130,15 +141,52 @@ def test_import_graph_has_no_cycle(pkg):
             assert cycle_from(m, [m]) is None
 
 
+def _faces(pkg: str) -> set[str]:
+    """Every face module: each family's package and its ``ops`` module, and the other faces."""
+    fams = {f"{pkg}.{f}" for f in FAMILIES[pkg]} | {f"{pkg}.{f}.ops" for f in FAMILIES[pkg]}
+    return fams | {f"{pkg}.{f}" for f in OTHER_FACES[pkg]}
+
+
+def _is_triton(module: str) -> bool:
+    return "triton" in module.split(".")[1:] or module.endswith("_triton")
+
+
+def _is_torch_path(module: str) -> bool:
+    return module.rsplit(".", 1)[-1] in ("reference", "cpu")
+
+
 @pytest.mark.parametrize("pkg", sorted(PACKAGES))
-def test_torch_ops_and_kernels_stay_apart(pkg):
+def test_every_family_has_a_face_a_reference_and_triton_kernels(pkg):
+    for family in FAMILIES[pkg]:
+        folder = PACKAGES[pkg] / family
+        assert (folder / "__init__.py").is_file() and (folder / "ops.py").is_file(), family
+        assert (folder / "reference.py").is_file(), family
+        assert (folder / "triton.py").is_file() or (folder / "triton" / "__init__.py").is_file(), family
+        init = ast.parse((folder / "__init__.py").read_text())
+        reexports = {n.module for n in ast.walk(init) if isinstance(n, ast.ImportFrom)}
+        assert f"{pkg}.{family}.ops" in reexports, f"{family}/__init__.py re-exports its face"
+
+
+@pytest.mark.parametrize("pkg", sorted(PACKAGES))
+def test_torch_paths_and_kernels_stay_apart(pkg):
     graph = _graph(pkg)
-    faces = {f"{pkg}.{f}" for f in FACES[pkg]}
+    faces = _faces(pkg)
+    assert any(_is_torch_path(m) for m in graph) and any(_is_triton(m) for m in graph)
     for m, deps in graph.items():
-        if m.startswith(f"{pkg}.torch_ops"):
-            assert not {d for d in deps if d.startswith(f"{pkg}.triton_kernels")}, m
-        if m.startswith(f"{pkg}.triton_kernels"):
+        if _is_torch_path(m):
+            assert not {d for d in deps if _is_triton(d)}, m
+        if _is_triton(m):
             assert not deps & faces, m
+
+
+@pytest.mark.parametrize("pkg", sorted(PACKAGES))
+def test_no_source_file_over_500_lines(pkg):
+    long = {
+        str(p.relative_to(PACKAGES[pkg])): n
+        for p in PACKAGES[pkg].rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
 
 
 def test_checks_can_fail():

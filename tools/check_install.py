@@ -7,6 +7,13 @@ the machine's find-links, where the CPU torch wheel lies), no lock and no constr
 ``pip check``, and ``tools/install_smoke.py PACKAGE`` (an op forward/backward, a ``to_mx`` round trip, a
 tiny GemModel step, ``gem-train --help`` and a 5-step train).
 
+Then a few of the package's own tests (:data:`OWN_TESTS`) run in that environment, with only the test tools
+added (``tools/check_layers.py``'s ``TEST_TOOLS``, at the root ``dev`` group's versions): the other gem
+packages are not installed there, so a test that imports one fails. (tools/check_layers.py keeps every test
+file to the package's own imports; this shows it on real installs.) pytest runs from the work folder
+(``PYTHONSAFEPATH``: nothing from the checkout on ``sys.path``) with the workspace's pytest settings, so
+the package is the installed wheel.
+
 Packages with torchrec take the two-step CPU install their README documents: torchrec requires the
 distribution ``fbgemm-gpu``, which on PyPI is the CUDA build, and pip writes it over fbgemm-gpu-cpu's
 files; the second step (``pip install --force-reinstall --no-deps fbgemm-gpu-cpu==X``) puts the CPU build
@@ -45,7 +52,56 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["gem-kernels", "gem-precision", "gem-parallel", "gem-model", "gem-train"]
+# A small, fast, representative part of each package's own test suite (pytest node ids under packages/PKG/),
+# run in the package's lone environment. Each file must exist: a renamed one fails the check, not drops out.
+OWN_TESTS: dict[str, list[str]] = {
+    "gem-kernels": [
+        "tests/test_import.py",
+        "tests/test_rotary.py",
+        "tests/test_jagged_ops.py",
+    ],
+    "gem-precision": [
+        "tests/test_import.py",
+        "tests/test_input_checks.py",
+        "tests/test_mx_reference.py",
+        "tests/test_rowwise_fallback.py",
+    ],
+    "gem-parallel": [
+        "tests/test_import.py",
+        "tests/test_toy_model.py",
+        "tests/test_sparse_plan.py",
+        # 2 gloo ranks started from the installed wheel (python -m gem_parallel.testing) on the toy model.
+        "tests/test_parallelize_errors.py::test_misconfigurations_fail_on_every_rank_at_once",
+    ],
+    "gem-model": [
+        "tests/test_import.py",
+        "tests/test_stack_check.py",
+        "tests/test_gem_batch.py",
+        "tests/test_gem_model.py::test_forward_shapes_and_dtypes",
+        "tests/test_gem_model.py::test_pooled_embeddings_follow_the_feature_names_whatever_the_key_order_of_the_bags",
+    ],
+    "gem-train": ["tests/test_import.py", "tests/test_train_config.py", "tests/test_train_optim.py"],
+}
 PIP_NET = ["--retries", "5", "--timeout", "120", "--progress-bar", "off"]
+
+
+def required_test_tools() -> list[str]:
+    """The test tools' requirements (``pytest>=8.3``, ...): check_layers.py's, at the root's versions."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import check_layers
+    finally:
+        sys.path.pop(0)
+    return check_layers.required_test_tools(ROOT)
+
+
+def own_tests(pkg: str) -> list[str]:
+    """:data:`OWN_TESTS` of ``pkg`` as absolute node ids; raises if a file is missing."""
+    ids = [str(ROOT / "packages" / pkg / t) for t in OWN_TESTS[pkg]]
+    missing = [i for i in ids if not Path(i.split("::")[0]).is_file()]
+    if missing:
+        raise SystemExit(f"OWN_TESTS of {pkg}: no such test file {missing} (update tools/check_install.py)")
+    return ids
 
 
 def _project(pkg: str) -> dict:
@@ -101,8 +157,19 @@ def _venv_root(work: Path) -> Path:
     return work
 
 
-def _run(cmd: list[str], *, cwd: Path | None = None, check: bool = True, timeout: float = 1800):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+def _run(
+    cmd: list[str],
+    *,
+    cwd: Path | None = None,
+    check: bool = True,
+    timeout: float = 1800,
+    env: dict | None = None,
+):
+    env = {
+        k: v
+        for k, v in {**os.environ, **(env or {})}.items()
+        if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
+    }
     env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -155,8 +222,11 @@ class Check:
     """One package in its own fresh environment. ``resolve`` runs alone (it writes the shared
     wheelhouse); ``install_and_test`` may run beside other packages' (it only reads it)."""
 
-    def __init__(self, pkg: str, dist: Path, wheelhouse: Path, work: Path, venvs: Path, python: str) -> None:
+    def __init__(
+        self, pkg: str, dist: Path, wheelhouse: Path, work: Path, venvs: Path, python: str, tools: list[str]
+    ) -> None:
         self.pkg, self.dist, self.wheelhouse, self.work, self.python = pkg, dist, wheelhouse, work, python
+        self.tools, self.tests = tools, own_tests(pkg)
         self.venv = venvs / f"venv-{pkg}"
         self.py = self.venv / "bin" / "python"
         has_cpu = "cpu" in _project(pkg).get("optional-dependencies", {})
@@ -177,6 +247,8 @@ class Check:
         t0 = time.perf_counter()
         _run([self.python, "-m", "venv", str(self.venv)])
         self._pip("download", *PIP_NET, "--dest", str(self.wheelhouse), *self.args)
+        if self.tests:  # the test tools, added to the environment after the smoke test
+            self._pip("download", *PIP_NET, "--dest", str(self.wheelhouse), *self.tools)
         self._timed("resolve+download", t0)
 
     def install_and_test(self) -> None:
@@ -198,6 +270,10 @@ class Check:
         smoke = [str(self.py), str(ROOT / "tools" / "install_smoke.py"), self.pkg]
         self.log.append(_run(smoke, cwd=self.work).stdout.strip())
         self._timed("smoke", t0)
+        if self.tests:
+            t0 = time.perf_counter()
+            self._own_tests()
+            self._timed("own tests", t0)
         if self.pkg == "gem-model":
             t0 = time.perf_counter()
             self._wrong_pairing(installed["torch"])
@@ -209,6 +285,28 @@ class Check:
         t0 = time.perf_counter()
         shutil.rmtree(self.venv)  # here, so that it overlaps the other environments' work
         self._timed("clean-up", t0)
+
+    def _own_tests(self) -> None:
+        """The package's :data:`OWN_TESTS` in this environment, plus the test tools only."""
+        self._pip("install", *self.local, *self.tools)
+        self._pip("check")
+        folder = self.work / f"tests-{self.pkg}"  # pytest's working folder: nothing of the checkout in it
+        folder.mkdir(exist_ok=True)
+        ini = ["-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT)]  # the workspace's pytest settings
+        cmd = [str(self.py), "-m", "pytest", "-q", "-p", "no:cacheprovider", *ini, *self.tests]
+        proc = _run(
+            cmd,
+            cwd=folder,
+            check=False,
+            timeout=900,
+            env={"PYTHONSAFEPATH": "1", "PYTHONDONTWRITEBYTECODE": "1"},
+        )
+        summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+        if proc.returncode != 0 or " passed" not in summary:
+            sys.stdout.write(proc.stdout[-8000:] + proc.stderr[-4000:])
+            raise SystemExit(f"FAILED: {self.pkg}'s own tests in its lone environment: {summary}")
+        files = ", ".join(sorted({Path(t.split("::")[0]).name for t in self.tests}))
+        self.log.append(f"own tests ({files}): {summary.strip('= ')}")
 
     def _cpu_fix_up(self) -> None:
         """Step 2 of the README's CPU install: the CPU build of fbgemm back over the CUDA build."""
@@ -278,7 +376,10 @@ def main() -> int:
         build(dist)
         check_distributions(dist)
         print(f"  built and checked in {time.perf_counter() - start:.0f}s", flush=True)
-        checks = [Check(pkg, dist, wheelhouse, work, venvs, args.python) for pkg in args.only or PACKAGES]
+        tools = required_test_tools()
+        checks = [
+            Check(pkg, dist, wheelhouse, work, venvs, args.python, tools) for pkg in args.only or PACKAGES
+        ]
         for check in checks:
             check.resolve()
         print(f"  resolved and downloaded in {time.perf_counter() - start:.0f}s", flush=True)

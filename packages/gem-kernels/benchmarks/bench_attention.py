@@ -11,7 +11,7 @@ forward with the time to move Q, K, V and O once at the measured copy rate.
     export PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':')
     python packages/gem-kernels/benchmarks/bench_attention.py [--cases cross,pma] [--json out.json]
     # several implementations on the same inputs in one run (rows "case@variant"; baselines once per case):
-    python packages/gem-kernels/benchmarks/bench_attention.py --variants auto,persistent,tma,tma_ws
+    python packages/gem-kernels/benchmarks/bench_attention.py --variants auto,tiled,onetile,onetile_split,tma
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import triton.testing
 from common import copy_rate
 
 from gem_kernels import gdpa, jagged_flash_attention
-from gem_kernels.torch_ops import attention_reference as reference
+from gem_kernels.attention import reference
 
 H, D = 4, 128
 DTYPE = torch.bfloat16
@@ -346,8 +346,7 @@ def setup_case(name: str) -> dict:
 
 
 def run_ours(c: dict, copy_tbs: float, check_seqs: int, variant: str = "auto") -> dict:
-    from gem_kernels.triton_kernels import attention as ta
-    from gem_kernels.triton_kernels import attention_persistent_launch as tp
+    from gem_kernels.attention import testing
 
     fwd_flop = 4 * c["pairs"] * H * D
     row = {
@@ -372,23 +371,18 @@ def run_ours(c: dict, copy_tbs: float, check_seqs: int, variant: str = "auto") -
         c["window"],
     )
     t0 = time.time()
-    before = dict(ta.variant_choice)
+    before = testing.auto_choices()
     ours.fwd_bwd()  # compile + autotune (+ the choice between tiled and one-tile kernels)
     sync()
     row["tune_s"] = time.time() - t0
-    row["variants"] = {k[0]: v for k, v in ta.variant_choice.items() if k not in before}
+    row["variants"] = {k[0]: v for k, v in testing.auto_choices().items() if k not in before}
     if DEV == "cuda":
-        persistent = variant in tp.VARIANTS
-        tuned = (
-            (tp._fwd_tuned, tp._dq_tuned, tp._dkdv_tuned)
-            if persistent
-            else (ta._fwd_tuned, ta._dq_tuned, ta._dkdv_tuned)
-        )
+        prefix = "persistent_" if variant == "tma" else ""
+        tuners = testing.autotuners()
         row["configs"] = {
-            n: str(getattr(t, "best_config", None)) for n, t in zip(("fwd", "dq", "dkdv"), tuned)
+            n: str(getattr(tuners[prefix + n], "best_config", None)) for n in ("fwd", "dq", "dkdv")
         }
-        if persistent:
-            row["paths"] = sorted({f"{k}:{p}" for k, p in tp.launches})
+        row["paths"] = sorted({f"{k}:{p}" for k, p in testing.persistent_launches()})
     row["check"] = ours.check(check_seqs)
     row["ours_fwd_ms"] = bench(ours.fwd)
     row["ours_bwd_ms"] = bench(ours.bwd_fn())
@@ -436,7 +430,7 @@ def main() -> None:
     ap.add_argument(
         "--variant",
         default="auto",
-        help="tiled | onetile | auto (time both per bucket) | persistent | tma | tma_ws",
+        help="tiled | onetile | onetile_split | auto (time those that apply per bucket) | tma",
     )
     ap.add_argument(
         "--variants", default=None, help="comma-separated variants, each timed on the same inputs"
@@ -461,7 +455,7 @@ def run(a) -> None:
             with open(a.json, "w") as f:
                 json.dump({"copy_tbs": copy_tbs, "rows": list(rows.values())}, f, indent=1)
 
-    from gem_kernels.triton_kernels.attention import force_variant
+    from gem_kernels.attention import testing
 
     variants = a.variants.split(",") if a.variants else [a.variant]
     key = (lambda n, v: n) if len(variants) == 1 else (lambda n, v: f"{n}@{v}")
@@ -471,7 +465,7 @@ def run(a) -> None:
         for v in variants:
             t0 = time.time()
             try:
-                with force_variant(v):
+                with testing.forced(variant=v):
                     rows[key(name, v)] = run_ours(c, copy_tbs, a.check_seqs, v)
             except Exception as e:  # one failing variant must not hide the others
                 rows[key(name, v)] = {

@@ -15,8 +15,7 @@ import functools
 import torch
 from common import timeit
 
-from gem_kernels.torch_ops import attention_cpu as cpu
-from gem_kernels.torch_ops import attention_reference as reference
+from gem_kernels.attention import cpu, reference
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ benchmark); ``--quick`` stops after our kernels and the unfused rotary rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 import traceback
@@ -29,9 +30,9 @@ import torch.nn.functional as F
 from common import add_batch_args, add_run_args, copy_rate, timeit, uniform_lengths, write_results
 
 import gem_kernels
-import gem_kernels.triton_kernels.block as bt
+import gem_kernels.block.triton as bt
 from gem_kernels import Rotary, block_attention
-from gem_kernels.torch_ops.block_reference import (
+from gem_kernels.block.reference import (
     block_attention_backward_reference,
     block_attention_reference,
     rotary_reference,
@@ -153,16 +154,16 @@ def main() -> None:
     best = None
     configs = [(4, 8, 1, None), (8, 8, 1, None), (4, 8, 1, 128), (8, 8, 4, None)]
     for fw, bw, group, maxnreg in configs[: 3 if ARGS.quick else 4]:
-        bt.FWD_WARPS, bt.BWD_WARPS, bt.HEAD_GROUP, bt.BWD_MAXNREG = fw, bw, group, maxnreg
         try:
-            out = ours(q, k, v)
-            t_f = timeit(lambda: ours(q, k, v), iters)
-            t_b = timeit(
-                lambda out=out: torch.ops.gem_kernels.block_attention_backward(
-                    do, q, k, v, out, offsets, max_len, 64, False, scale, None, 1e4, False
-                ),
-                iters,
-            )
+            with bt.launched_with(fwd_warps=fw, bwd_warps=bw, head_group=group, bwd_maxnreg=maxnreg):
+                out = ours(q, k, v)
+                t_f = timeit(lambda: ours(q, k, v), iters)
+                t_b = timeit(
+                    lambda out=out: torch.ops.gem_kernels.block_attention_backward(
+                        do, q, k, v, out, offsets, max_len, 64, False, scale, None, 1e4, False
+                    ),
+                    iters,
+                )
         except Exception as e:
             print(f"config {fw},{bw},{group},{maxnreg} failed: {e}")
             continue
@@ -171,7 +172,10 @@ def main() -> None:
         record(f"ours bwd {cfg}", t_b, 7 * elt, copy_tbs=copy_tbs)
         if best is None or t_f + t_b < best[0]:
             best = (t_f + t_b, fw, bw, group, maxnreg)
-    _, bt.FWD_WARPS, bt.BWD_WARPS, bt.HEAD_GROUP, bt.BWD_MAXNREG = best
+    _, fw, bw, group, maxnreg = best
+    # The best settings for the rest of the run.
+    keep = contextlib.ExitStack()
+    keep.enter_context(bt.launched_with(fwd_warps=fw, bwd_warps=bw, head_group=group, bwd_maxnreg=maxnreg))
     print(f"chosen: {best[1:]} (fwd warps, bwd warps, heads/program, bwd maxnreg)")
 
     t_ours = timeit(fwd_bwd(ours, (q, k, v), do), iters)

@@ -53,7 +53,7 @@ def _child(case: str, small: bool, prewarm: bool) -> dict:
 
     if prewarm:
         prewarm_triton()
-    from gem_kernels.triton_kernels import attention as ta
+    from gem_kernels.attention import testing
 
     op, dt = case.split("-")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]
@@ -101,8 +101,8 @@ def _child(case: str, small: bool, prewarm: bool) -> dict:
 
     import torch._dynamo
 
-    for mod in ("triton", "gem_kernels.triton_kernels.attention", "gem_kernels.triton_kernels.block",
-                "gem_kernels.triton_kernels.attention_persistent_launch"):  # fmt: skip
+    for mod in ("triton", "gem_kernels.attention.triton.launch", "gem_kernels.block.triton",
+                "gem_kernels.attention.triton.persistent_launch"):  # fmt: skip
         importlib.import_module(mod)
     import_s = time.perf_counter() - t0
     profile = None
@@ -123,9 +123,7 @@ def _child(case: str, small: bool, prewarm: bool) -> dict:
         step()
         sync()
         second = time.perf_counter() - t0
-    tuners = {
-        n: getattr(ta, n) for n in dir(ta) if n.endswith("_tuned") and hasattr(getattr(ta, n), "persistent")
-    }
+    tuners = testing.autotuners()
     top = ""
     if profile is not None:
         import io
@@ -141,7 +139,7 @@ def _child(case: str, small: bool, prewarm: bool) -> dict:
         "first_s": first,
         "second_call_s": second,
         "timed": {n: t.persistent.timed for n, t in tuners.items() if t.persistent.timed},
-        "variants": {k[0]: v for k, v in ta.variant_choice.items()},
+        "variants": {k[0]: v for k, v in testing.auto_choices().items()},
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
     }
 

@@ -265,7 +265,7 @@ def main() -> int:
     import triton
 
     from gem_kernels import use_backend
-    from gem_kernels.triton_kernels.attention import force_variant
+    from gem_kernels.attention import testing
 
     if a.small:
         ba.DEV, ba.SMOKE, ba.DTYPE = "cpu", SMALL_DIVISOR, torch.float32
@@ -308,7 +308,7 @@ def main() -> int:
     ours = ba.Ours(act, q, k, v, qo, None, max_len, None, causal, window)
 
     def ours_fwd() -> torch.Tensor:
-        with force_variant(a.ours_variant), use_backend("triton" if a.small else "auto"):
+        with testing.forced(variant=a.ours_variant), use_backend("triton" if a.small else "auto"):
             out: torch.Tensor = ours.fwd()
         return out
 

@@ -1,22 +1,22 @@
 """Register use of the block-attention kernels on sm_90 (Hopper), measured offline (no GPU needed).
 
-Compiles ``_block_attention_fwd`` and ``_block_attention_bwd`` of
-:mod:`gem_kernels.triton_kernels.block` for ``GPUTarget("cuda", 90, 32)`` at the benchmark shape (bf16,
-D = Dv = 128, block 64, B = 1152 sequences of at most 2000 tokens, H = 4), with the module's launch
-settings (``FWD_WARPS``, ``BWD_WARPS``, ``NUM_STAGES``, ``HEAD_GROUP``, ``BWD_MAXNREG``) and the constexprs
-its own ``_launch_args`` computes, in three rotary modes: none, default positions (angles from the token
-index) and real-valued positions (``HAS_POS``, angles from a loaded fp32 position). Then runs the ptxas
-that ships with Triton on each kernel's PTX with Triton's own flags and prints, per kernel: warps,
-registers per thread, spill stores/loads (bytes), stack frame, static+dynamic shared memory, and how many
-programs of it fit on one SM by registers (65536 per SM, allocated per warp in units of 256).
+Compiles ``_block_attention_fwd`` and ``_block_attention_bwd`` of :mod:`gem_kernels.block.triton` for
+``GPUTarget("cuda", 90, 32)`` at the benchmark shape (bf16, D = Dv = 128, block 64, B = 1152 sequences of
+at most 2000 tokens, H = 4), with the module's launch settings (``launch_settings()``: warps, stages, heads
+per program, the backward's register cap) and the constexprs its own ``launch_args`` computes, in three
+rotary modes: none, default positions (angles from the token index) and real-valued positions
+(``HAS_POS``, angles from a loaded fp32 position). Then runs the ptxas that ships with Triton on each
+kernel's PTX with Triton's own flags and prints, per kernel: warps, registers per thread, spill
+stores/loads (bytes), stack frame, static+dynamic shared memory, and how many programs of it fit on one SM
+by registers (65536 per SM, allocated per warp in units of 256).
 
 The installed Triton and ptxas may differ from the GPU machine's (the H200 figures in BENCHMARKS.md were
 taken with triton 3.6); compare before/after on the same machine. ``--source FILE`` compiles the kernels
-of another copy of ``block.py`` (e.g. ``git show HEAD:<path> > /tmp/block_head.py``), for a before/after
-table; ``--head-group N``, ``--fwd-warps N``, ``--bwd-warps N``, ``--maxnreg N`` (backward) override the
-module's settings, ``--set NAME=INT`` any other integer setting of the module; ``--causal`` compiles the
-causal variants; ``--ptx-dir DIR`` writes each kernel's PTX without debug information (diff two of them
-to show that a change leaves a kernel's code as it was).
+of another copy of ``block/triton.py`` (e.g. ``git show HEAD:<path> > /tmp/block_head.py``), for a
+before/after table; ``--head-group N``, ``--fwd-warps N``, ``--bwd-warps N``, ``--maxnreg N`` (backward)
+override the module's settings, ``--set NAME=INT`` any other integer field of its ``LaunchSettings``;
+``--causal`` compiles the causal variants; ``--ptx-dir DIR`` writes each kernel's PTX without debug
+information (diff two of them to show that a change leaves a kernel's code as it was).
 
     export PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':')
     python packages/gem-kernels/benchmarks/block_registers_sm90.py [--source FILE] [--head-group N] \\
@@ -37,7 +37,7 @@ from sm90_offline import code_only, ptxas_usage  # this folder (the script's) is
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import gem_kernels.triton_kernels.block as block_module
+import gem_kernels.block.triton as block_module
 
 # The benchmark shape of BENCHMARKS.md ("Block attention and jagged helpers").
 BATCH, HEADS, HEAD_DIM, BLOCK_SIZE, MAX_LEN, MIN_LEN = 1152, 4, 128, 64, 2000, 800
@@ -50,7 +50,7 @@ _F32 = {"scale_log2e", "scale"}
 
 
 def load_module(path: str | None) -> Any:
-    """The block-kernel module: this checkout's, or the copy of ``block.py`` at ``path``."""
+    """The block-kernel module: this checkout's, or the copy of ``block/triton.py`` at ``path``."""
     if path is None:
         return block_module
     spec = importlib.util.spec_from_file_location("block_under_test", path)
@@ -69,7 +69,7 @@ def launch_meta(bt: Any, rotary: bool, has_pos: bool) -> dict[str, Any]:
     total = int(offsets[-1])
     q = torch.empty(1, HEADS, HEAD_DIM, dtype=torch.bfloat16).expand(total, HEADS, HEAD_DIM)
     positions = torch.empty(1, dtype=torch.float32).expand(total) if has_pos else None
-    _, _, _, _, meta = bt._launch_args(q, q, offsets, MAX_LEN, BLOCK_SIZE, positions, 10000.0, rotary)
+    _, _, _, _, meta = bt.launch_args(q, q, offsets, MAX_LEN, BLOCK_SIZE, positions, 10000.0, rotary)
     assert meta["ROTARY"] == rotary and meta["HAS_POS"] == has_pos
     return dict(meta)
 
@@ -125,29 +125,35 @@ def compile_one(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", help="another copy of block.py to compile (before/after)")
+    ap.add_argument("--source", help="another copy of block/triton.py to compile (before/after)")
     ap.add_argument("--head-group", type=int)
     ap.add_argument("--fwd-warps", type=int)
     ap.add_argument("--bwd-warps", type=int)
-    ap.add_argument("--maxnreg", type=int, help="register cap of the backward (default: BWD_MAXNREG)")
+    ap.add_argument("--maxnreg", type=int, help="register cap of the backward (default: bwd_maxnreg)")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--ptx-dir")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=INT", help="override a setting")
     args = ap.parse_args()
     bt = load_module(args.source)
+    changes: dict[str, int | None] = {}
     for item in args.set:
         name, value = item.split("=")
-        assert hasattr(bt, name), name
-        setattr(bt, name, None if value == "None" else int(value))
-    if args.head_group is not None:
-        bt.HEAD_GROUP = args.head_group
-    fwd_warps = args.fwd_warps or bt.FWD_WARPS
-    bwd_warps = args.bwd_warps or bt.BWD_WARPS
-    maxnreg = args.maxnreg if args.maxnreg is not None else getattr(bt, "BWD_MAXNREG", None)
+        changes[name] = None if value == "None" else int(value)
+    for name, value in (("head_group", args.head_group), ("fwd_warps", args.fwd_warps),
+                        ("bwd_warps", args.bwd_warps), ("bwd_maxnreg", args.maxnreg)):  # fmt: skip
+        if value is not None:
+            changes[name] = value
+    with bt.launched_with(**changes) as settings:
+        report(args, bt, settings)
+
+
+def report(args: argparse.Namespace, bt: Any, settings: Any) -> None:
+    """Compile both kernels in the three rotary modes with ``settings`` and print (or write) the results."""
+    fwd_warps, bwd_warps, maxnreg = settings.fwd_warps, settings.bwd_warps, settings.bwd_maxnreg
     print(
         f"triton {triton.__version__}, sm_90a, bf16, D=Dv={HEAD_DIM}, block {BLOCK_SIZE}, H={HEADS}, "
-        f"B={BATCH}, causal={args.causal}, HEAD_GROUP={bt.HEAD_GROUP}, NUM_STAGES={bt.NUM_STAGES}, "
-        f"BWD_MAXNREG={maxnreg}, source={args.source or bt.__file__}",
+        f"B={BATCH}, causal={args.causal}, HEAD_GROUP={settings.head_group}, "
+        f"NUM_STAGES={settings.num_stages}, BWD_MAXNREG={maxnreg}, source={args.source or bt.__file__}",
         flush=True,
     )
     header = (
@@ -168,7 +174,7 @@ def main() -> None:
             consts["CAUSAL"] = args.causal
             t0 = time.time()
             try:
-                k, use = compile_one(fn, consts, rotary, warps, bt.NUM_STAGES, cap)
+                k, use = compile_one(fn, consts, rotary, warps, settings.num_stages, cap)
             except Exception as e:
                 print(f"{kname:7s} {mode:8s} FAIL {type(e).__name__}: {str(e)[:800]}", flush=True)
                 continue

@@ -2,23 +2,21 @@
 made of them: TMA copies (``cp.async.bulk.tensor``), ``cp.async`` copies (software-pipelined pointer
 loads), ``wgmma`` instructions, shared memory, and ``setmaxnreg`` (present when warp specialization took).
 
-Catches compile errors of the Hopper-only paths (TMA descriptors, warp specialization) on a CPU machine;
+Catches compile errors of the Hopper-only paths (TMA descriptors) on a CPU machine;
 the installed Triton may differ from the one on the GPU. bf16, D = Dv = 128, 8 warps, 3 stages. ``fp32``
 compiles the tiled kernels' fp32 candidates (exact products: FMA dots) and prints each one's compile time
 (the first-call cost of an fp32 bucket) and FMA count per thread, with ``--warps N`` to compare warp counts.
-``onetile`` compiles the one-tile backward kernels of cross-attention (``short_kv``, 64 keys) and PMA
-(``few_q``, 32 queries), whole-stream and split, and the split's partial-sum kernel, at their autotune
-candidates, and adds ptxas's registers and spills per thread (``ptxas -v``, also with ``--regs`` for the
-other modes).
-``single_pass`` compiles the single-pass backward (dK/dV with atomic dQ) beside the dK/dV kernel at the
-general class's candidates, with registers and spills.
+``onetile`` compiles the one-tile kernels of cross-attention (``short_kv``, 64 keys: forward and backward)
+and PMA (``few_q``, 32 queries: backward), whole-stream and split, and the split's partial-sum kernel, at
+their autotune candidates (:mod:`gem_kernels.attention.variants`), and adds ptxas's registers and
+spills per thread (``ptxas -v``, also with ``--regs`` for the other modes).
 ``--ptx-dir DIR`` writes each kernel's PTX there without its debug information (``.loc``/``.file`` lines,
 ``$L__tmp`` labels, the DWARF sections: they follow the source lines), so that a refactoring of the
 kernels' Triton source can be shown to leave the generated code unchanged (``diff -r BEFORE AFTER``).
 
     export PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':')
     python packages/gem-kernels/benchmarks/compile_sm90.py [fwd dq dkdv tiled fp32] [--warps N] \\
-        [--ptx-dir DIR] [--regs] [onetile] [single_pass]
+        [--ptx-dir DIR] [--regs] [onetile]
 """
 
 from __future__ import annotations
@@ -34,11 +32,11 @@ from sm90_offline import code_only, usage_line  # this folder (the script's) is 
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from gem_kernels.triton_kernels import attention as triton_attention
-from gem_kernels.triton_kernels import attention_bwd as triton_bwd
-from gem_kernels.triton_kernels import attention_fwd as triton_fwd
-from gem_kernels.triton_kernels import attention_onetile as triton_onetile
-from gem_kernels.triton_kernels import attention_persistent as triton_persistent
+from gem_kernels.attention import variants
+from gem_kernels.attention.triton import bwd as triton_bwd
+from gem_kernels.attention.triton import fwd as triton_fwd
+from gem_kernels.attention.triton import onetile as triton_onetile
+from gem_kernels.attention.triton import persistent as triton_persistent
 
 _BF16 = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV_", "X"}
 _FP32 = {"LSE", "DELTA", "DK_part", "DV_part", "DQ_part", "Part"}
@@ -87,7 +85,7 @@ def report(
     fp32_args: frozenset[str] = frozenset(),
 ) -> None:
     """Compile ``fn`` for sm_90 and print what the compiler made of it; ``fp32``: every bf16 pointer fp32,
-    ``fp32_args``: only those (e.g. the single-pass backward's fp32 dQ accumulator)."""
+    ``fp32_args``: only those."""
     t0 = time.time()
     sig = signature(fn, consts)
     if fp32:
@@ -119,11 +117,19 @@ def report(
 
 
 def report_onetile(base: dict[str, Any]) -> None:
-    """The one-tile backward kernels, whole-stream and split, at their autotune candidates (attention.py's
-    ``_bwd_*_tuned``: streamed tile, warps, stages), silu (the benchmark's cross/PMA activation, hardware
-    tanh) and softmax; resident tile 64 keys (short_kv) or 32 queries (few_q); then the partial sums."""
-    short_kv, few_q = triton_attention.SHORT_KV_BWD_CANDIDATES, triton_attention.FEW_Q_BWD_CANDIDATES
+    """The one-tile kernels (the short_kv forward; the backward, whole-stream and split) at their autotune
+    candidates (``variants.*_CANDIDATES``: streamed tile, warps, stages), silu (the benchmark's cross/PMA
+    activation, hardware tanh) and softmax; resident tile 64 keys (short_kv) or 32 queries (few_q); then the
+    partial sums."""
+    short_kv, few_q = variants.SHORT_KV_BWD_CANDIDATES, variants.FEW_Q_BWD_CANDIDATES
     kernels = [
+        (
+            "fwd_short_kv",
+            triton_onetile.fwd_short_kv_kernel,
+            "BLOCK_M",
+            {"BLOCK_N": 64},
+            variants.FWD_SHORT_KV_CANDIDATES,
+        ),
         ("bwd_short_kv", triton_onetile.bwd_short_kv_kernel, "BLOCK_M", {"BLOCK_N": 64}, short_kv),
         (
             "bwd_short_kv_split",
@@ -161,23 +167,6 @@ def report_onetile(base: dict[str, Any]) -> None:
         )
 
 
-def report_single_pass(base: dict[str, Any]) -> None:
-    """The dK/dV kernel and the single-pass backward (dK/dV with atomic dQ) at their general-class
-    candidates (BLOCK_M queries streamed x BLOCK_N keys resident), softmax and silu; then softmax's delta
-    pass."""
-    from gem_kernels.triton_kernels import attention_bwd_single as triton_single
-
-    for kname, fn in (("dkdv", triton_bwd.dkdv_kernel), ("single_pass", triton_single.single_pass_kernel)):
-        fp32_args = frozenset({"DQ"}) if kname == "single_pass" else frozenset()  # its dQ accumulator
-        for bm, bn, w, st in triton_attention._CANDIDATES[kname]["general"]:
-            for act in (0, 1):
-                consts = dict(base, ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST_ACT=act == 1)
-                report(f"{kname} {bm}x{bn} w{w} s{st} act={act}", fn, consts, num_warps=w, num_stages=st,
-                       regs=True, fp32_args=fp32_args)  # fmt: skip
-    report("delta BLOCK_M=64 w4", triton_single.delta_kernel, dict(DV=128, BLOCK_M=64, BLOCK_DV=128),
-           num_warps=4, regs=True)  # fmt: skip
-
-
 def main() -> None:
     persistent = {
         "fwd": (triton_persistent.fwd_persistent_kernel, 128, 64),
@@ -209,16 +198,9 @@ def main() -> None:
         if name == "onetile":
             report_onetile(base)
             continue
-        if name == "single_pass":
-            report_single_pass(base)
-            continue
         if name == "fp32":
-            from gem_kernels.triton_kernels.attention import _CANDIDATES_FP32
-
             seen = set()
-            for kname, classes in _CANDIDATES_FP32.items():
-                if kname not in tiled:  # the single-pass backward: `single_pass` mode
-                    continue
+            for kname, classes in variants.CANDIDATES_FP32.items():
                 for cls, cands in classes.items():
                     for bm, bn, w, st in cands:
                         w = warps or w
@@ -237,15 +219,11 @@ def main() -> None:
                     report(f"tiled {kname} act={act}", fn, consts)
             continue
         fn, bm, bn = persistent[name]
-        for act, tma, ws in [
-            (0, False, False),
-            (0, True, False),
-            (1, False, False),
-            (1, True, False),
-            (1, True, True),
-        ]:
-            consts = dict(base, ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST_ACT=act == 1, USE_TMA=tma, WS=ws)
-            report(f"persistent {name} act={act} tma={tma} ws={ws}", fn, consts)
+        for act, tma in [(0, False), (0, True), (1, False), (1, True)]:
+            consts = dict(base, ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST_ACT=act == 1, USE_TMA=tma)
+            if "WS" in fn.arg_names:  # a checkout from before tma_ws was removed (always off since)
+                consts["WS"] = False
+            report(f"persistent {name} act={act} tma={tma}", fn, consts)
 
 
 if __name__ == "__main__":

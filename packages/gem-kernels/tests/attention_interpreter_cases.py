@@ -5,14 +5,12 @@ before triton is first imported, which a pytest process cannot guarantee). For e
 relative Frobenius errors of the kernel's output and of its three gradients against the fp64 reference,
 and the same errors of the reference run in the case's dtype (the bound the test scales).
 
-Usage: ``TRITON_INTERPRET=1 python attention_interpreter_cases.py [--split | --single-pass]``
-(``--split``: only the cases of the split one-tile backward, :func:`split_cases`; ``--single-pass``: the
-single-pass backward with atomic dQ on :func:`single_pass_cases`).
+Usage: ``TRITON_INTERPRET=1 python attention_interpreter_cases.py [--split]`` (``--split``: only the cases
+of the split one-tile backward, :func:`split_cases`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -23,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch
 
 from gem_kernels import gdpa, jagged_flash_attention, use_backend
-from gem_kernels.triton_kernels import attention as triton_attention
+from gem_kernels.attention import testing
 
 ACTS = ("softmax", "silu", "gelu", "relu", "relu2", "identity")
 SELF_MASKS = {
@@ -100,15 +98,9 @@ def run_case(
         for t in leaves:
             t.requires_grad_(True)
         args = [t[..., : x.shape[-1]] for t, x in zip(leaves, (q, k, v))]
-        chunked = triton_attention.force_chunk(chunk) if chunk else contextlib.nullcontext()
-        with use_backend(backend), triton_attention.force_variant(variant), chunked:
-            if blocks_ is not None:
-                with triton_attention.force_blocks(*blocks_):
-                    out = _call(act, *args, qo, ko, mq, mk, causal, window)
-                    out.backward(dout.to(out.dtype))
-            else:
-                out = _call(act, *args, qo, ko, mq, mk, causal, window)
-                out.backward(dout.to(out.dtype))
+        with use_backend(backend), testing.forced(variant=variant, blocks=blocks_, chunk=chunk):
+            out = _call(act, *args, qo, ko, mq, mk, causal, window)
+            out.backward(dout.to(out.dtype))
         return (out, *(t.grad[..., : x.shape[-1]] for t, x in zip(leaves, (q, k, v))))
 
     ref = grads(q64, k64, v64, "reference")
@@ -253,50 +245,7 @@ def split_cases():
     ]
 
 
-def single_pass_cases():
-    """The single-pass backward (``single_pass``: dK, dV and atomic dQ in one kernel) on every shape class:
-    (name, act, q lengths, kv lengths or None, causal, window, dtype, d, dv, blocks, offsets dtype, strided).
-    Blocks 32x32 unless named: one query row receives dQ from up to three key tiles (lengths 70), 16x32 and
-    32x16 change which side is longer, and head dims 24x8 pad both tiles."""
-    f32, i32 = torch.float32, torch.int32
-    out = []
-    for act in ("softmax", "silu"):
-        for mname, (causal, window) in SELF_MASKS.items():
-            out.append((f"sp-self-{act}-{mname}", act, SELF_LENGTHS, None, causal, window, f32))
-    for act in ("gelu", "relu", "relu2", "identity"):
-        out.append((f"sp-self-{act}-causal", act, SELF_LENGTHS, None, True, None, f32))
-    for act in ("softmax", "silu"):
-        out.append((f"sp-cross-{act}", act, [40, 3, 0, 33], [5, 0, 9, 1], False, None, f32))
-        out.append((f"sp-pma-{act}", act, [4, 1, 7, 0], [70, 35, 0, 12], False, None, f32))
-        out.append((f"sp-fp16-self-{act}-causal", act, SELF_LENGTHS, None, True, None, torch.float16))
-    rows = [(*c, 16, 16, (32, 32), i32, False) for c in out]
-    rows += [
-        ("sp-blocks16x32-softmax-window", "softmax", SELF_LENGTHS, None, False, (20, 2), f32, 16, 16,
-         (16, 32), i32, False),
-        ("sp-blocks32x16-silu-causal", "silu", SELF_LENGTHS, None, True, None, f32, 16, 16, (32, 16), i32,
-         False),
-        ("sp-dims24x8-softmax-causal", "softmax", [19, 0, 45], None, True, None, f32, 24, 8, (32, 32), i32,
-         False),
-        ("sp-window0x0-silu", "silu", SELF_LENGTHS, None, False, (0, 0), f32, 16, 16, (32, 32), i32, False),
-        ("sp-int64-offsets-softmax-causal", "softmax", SELF_LENGTHS, None, True, None, f32, 16, 16, (32, 32),
-         torch.int64, False),
-        ("sp-strided-gelu-self-causal", "gelu", SELF_LENGTHS, None, True, None, f32, 16, 16, (32, 32), i32,
-         True),
-        ("sp-strided-softmax-cross", "softmax", [40, 3, 0, 33], [5, 0, 9, 1], False, None, f32, 16, 16,
-         (32, 32), i32, True),
-    ]  # fmt: skip
-    return rows
-
-
 def main() -> None:
-    if sys.argv[1:] == ["--single-pass"]:
-        results = [
-            run_case(name, act, lq, lk, causal, window, dtype, d=d, dv=dv, blocks=blocks, offsets_dtype=odt,
-                     variant="single_pass", strided=strided)
-            for name, act, lq, lk, causal, window, dtype, d, dv, blocks, odt, strided in single_pass_cases()
-        ]  # fmt: skip
-        print("JSON:" + json.dumps(results))
-        return
     if sys.argv[1:] == ["--split"]:
         results = [
             run_case(name, act, lq, lk, causal, window, dtype, variant="onetile_split", chunk=chunk)

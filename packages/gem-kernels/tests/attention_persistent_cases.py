@@ -3,7 +3,7 @@
 Launched in a subprocess by ``test_attention_persistent_interpreter.py``; reuses
 :func:`attention_interpreter_cases.run_case` (errors of the output and the three gradients against the
 fp64 reference, and of the reference run in the case's dtype) and adds which kernel paths ran (TMA
-descriptors or pointer loads), from ``triton_persistent_launch.launches``.
+descriptors or pointer loads), from :func:`gem_kernels.attention.testing.persistent_launches`.
 
 Usage: ``TRITON_INTERPRET=1 python attention_persistent_cases.py [--quick]`` (``--quick``: the cases of
 :data:`QUICK` only, for the fast CI test; the full list runs in the ``slow`` one).
@@ -17,7 +17,7 @@ import sys
 import torch
 from attention_interpreter_cases import SELF_LENGTHS, run_case  # raises SystemExit unless interpreted
 
-from gem_kernels.triton_kernels import attention_persistent_launch as tp
+from gem_kernels.attention import testing
 
 F32, F16 = torch.float32, torch.float16
 CROSS_Q, CROSS_KV = [40, 3, 0, 33], [5, 0, 9, 1]
@@ -27,7 +27,7 @@ PMA_Q, PMA_KV = [4, 1, 7, 0], [70, 35, 0, 12]
 def cases():
     """(name, variant, act, q lengths, kv lengths or None, causal, window, dtype, d, dv, blocks, strided)."""
     out = []
-    for variant in ("persistent", "tma"):
+    for variant in ("tma",):
         for act in ("softmax", "silu"):
             for mname, causal, window in (("none", False, None), ("causal", True, None)):
                 out.append(
@@ -81,7 +81,7 @@ def cases():
         out.append(
             (f"{variant}-pma-silu", variant, "silu", PMA_Q, PMA_KV, False, None, F32, 16, 16, (32, 32), False)
         )
-    # Asymmetric tiles, a causal window, fp16, and the WS variant (the interpreter ignores WS).
+    # Asymmetric tiles, a causal window, fp16.
     out += [
         (
             "tma-blocks16x32-softmax-causal_window",
@@ -125,20 +125,6 @@ def cases():
             (32, 32),
             False,
         ),
-        (
-            "tma_ws-self-silu-causal",
-            "tma_ws",
-            "silu",
-            SELF_LENGTHS,
-            None,
-            True,
-            None,
-            F32,
-            16,
-            16,
-            (32, 32),
-            False,
-        ),
         # Layouts TMA cannot address (head dims not powers of two; strided heads): pointer loads instead.
         (
             "tma-dims24x8-softmax-causal",
@@ -172,10 +158,10 @@ def cases():
     return out
 
 
-# One case per path and shape class: pointer and TMA kernels, causal self-attention, cross, PMA, fp16, and
-# a layout that falls back to pointer loads.
+# One case per path and shape class: TMA kernels on causal self-attention, cross, PMA and fp16, and a
+# layout that falls back to pointer loads.
 QUICK = (
-    "persistent-self-softmax-causal",
+    "tma-self-softmax-causal",
     "tma-self-silu-none",
     "tma-cross-softmax",
     "tma-pma-silu",
@@ -190,7 +176,7 @@ def main() -> None:
     for name, variant, act, lq, lk, causal, window, dtype, d, dv, blocks, strided in cases():
         if quick and name not in QUICK:
             continue
-        before = dict(tp.launches)
+        before = testing.persistent_launches()
         r = run_case(
             name,
             act,
@@ -205,8 +191,9 @@ def main() -> None:
             variant=variant,
             strided=strided,
         )
+        after = testing.persistent_launches()
         r["launches"] = {
-            f"{k[0]}:{k[1]}": n - before.get(k, 0) for k, n in tp.launches.items() if n > before.get(k, 0)
+            f"{k[0]}:{k[1]}": n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)
         }
         results.append(r)
     print("JSON:" + json.dumps(results))

@@ -32,9 +32,9 @@ LAUNCHES: dict[str, int] = {}
 def _count_launches() -> None:
     """Wrap the kernel entry points so each case can prove that the Triton path ran (the dispatcher
     imports them at call time, so patching the module attributes is enough)."""
-    import gem_kernels.triton_kernels.block as bt
-    import gem_kernels.triton_kernels.jagged as jt
-    import gem_kernels.triton_kernels.rotary as rt
+    import gem_kernels.block.triton as bt
+    import gem_kernels.jagged.triton as jt
+    import gem_kernels.rotary.triton as rt
 
     for module, name in ((bt, "block_attention_fwd"), (bt, "block_attention_bwd"), (rt, "rotary_triton"),
                          (jt, "jagged_to_padded_triton"), (jt, "padded_to_jagged_triton"),
@@ -112,9 +112,8 @@ def block_cases(results):
 
     # Many sequences (the binary search over 37 block starts), odd head dims, a block size that is not a
     # power of two, int64 offsets, and all three heads in one program (HEAD_GROUP).
-    import gem_kernels.triton_kernels.block as bt
+    from gem_kernels.block.triton import launched_with
 
-    bt.HEAD_GROUP = 3
     lengths = torch.randint(0, 50, (37,)).tolist()
     lengths[5] = 0
     total = sum(lengths)
@@ -128,8 +127,8 @@ def block_cases(results):
                                    causal=True, rotary=rotary)  # fmt: skip
 
         name = f"block many-seqs d={d} dv={dv} bs={block_size} rotary={rotary is not None}"
-        results.append(_compare(name, torch.float32, fn, [q, k, v], grad))
-    bt.HEAD_GROUP = 1
+        with launched_with(head_group=3):
+            results.append(_compare(name, torch.float32, fn, [q, k, v], grad))
 
 
 def rotary_cases(results):

@@ -1,5 +1,5 @@
-"""The vectorized CPU path of jagged attention (:mod:`gem_kernels.torch_ops.attention_cpu`) against the
-per-sequence oracle (:mod:`gem_kernels.torch_ops.attention_reference`): values, LSE and all three gradients,
+"""The vectorized CPU path of jagged attention (:mod:`gem_kernels.attention.cpu`) against the
+per-sequence oracle (:mod:`gem_kernels.attention.reference`): values, LSE and all three gradients,
 every activation and band, self and cross attention, ragged lengths with 0 and 1; gradcheck through the public
 functions; and a count of the Python-level iterations, which must not grow with the batch size.
 
@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from gem_kernels import gdpa, jagged_flash_attention
-from gem_kernels.torch_ops import attention_cpu as cpu
-from gem_kernels.torch_ops import attention_reference as reference
-from gem_kernels.torch_ops.activations import GDPA_ACTIVATIONS
+from gem_kernels.attention import cpu, reference
+from gem_kernels.attention.activations import GDPA_ACTIVATIONS
 
 ACTS = ("softmax", *GDPA_ACTIVATIONS)
 # (left, right): none, causal, window, causal + window.

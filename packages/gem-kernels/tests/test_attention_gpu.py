@@ -1,15 +1,13 @@
 """The attention Triton kernels on CUDA in bf16/fp16 against the fp32 reference (skipped without a GPU).
 
 Blocks are fixed at 64x64 (the short side of a one-tile kernel at its bucket) and the implementation is
-forced ("tiled" general kernels, "onetile" where it applies, "onetile_split" with chunks of
-``SPLIT_CHUNK_ROWS`` so that long sequences span several, or "single_pass", the backward with atomic dQ):
-one compile per case instead of an autotuning sweep. The autotuned configurations are checked at the
+forced ("tiled" general kernels, "onetile" where it applies, or "onetile_split" with chunks of
+``SPLIT_CHUNK_ROWS`` so that long sequences span several): one compile per case instead of an autotuning
+sweep. The autotuned configurations are checked at the
 benchmark shapes by ``benchmarks/bench_attention.py``.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
@@ -75,10 +73,7 @@ ONETILE_CASES = [
     + [("onetile_split", torch.float16, *ONETILE_CASES[0])]
     # Strided inputs (padded rows and heads), read in place by every implementation.
     + [("strided-tiled", torch.bfloat16, *CASES[0]), ("strided-onetile", torch.bfloat16, *ONETILE_CASES[3])]
-    + [("strided-onetile_split", torch.bfloat16, *ONETILE_CASES[3])]
-    # The single-pass backward (dK/dV with atomic fp32 dQ) on every shape class and mask.
-    + [("single_pass", torch.bfloat16, *c) for c in CASES]
-    + [("single_pass", torch.float16, *CASES[0]), ("strided-single_pass", torch.bfloat16, *CASES[4])],
+    + [("strided-onetile_split", torch.bfloat16, *ONETILE_CASES[3])],
 )
 def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, window, d):
     torch.manual_seed(0)
@@ -88,7 +83,7 @@ def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, wind
     q, k, v = (torch.randn(sum(n), 4, d, device="cuda").to(dtype) for n in (lq, lk_, lk_))
     dout = torch.randn(sum(lq), 4, d, device="cuda").to(dtype)
 
-    from gem_kernels.triton_kernels.attention import force_blocks, force_chunk, force_variant
+    from gem_kernels.attention import testing
 
     strided = variant.startswith("strided-")
 
@@ -101,13 +96,9 @@ def test_triton_matches_fp32_reference(variant, dtype, act, lq, lk, causal, wind
             .requires_grad_(True)
             for t in (q, k, v)
         ]
-        chunked = force_chunk(SPLIT_CHUNK_ROWS) if "split" in variant else contextlib.nullcontext()
-        with (
-            use_backend(backend),
-            force_blocks(64, 64),
-            force_variant(variant.removeprefix("strided-")),
-            chunked,
-        ):
+        chunk = SPLIT_CHUNK_ROWS if "split" in variant else None
+        forced = testing.forced(variant=variant.removeprefix("strided-"), blocks=(64, 64), chunk=chunk)
+        with use_backend(backend), forced:
             out = _run(act, *(t[..., :d] for t in leaves), qo, ko, mq, mk, causal, window)
             out.backward(dout.to(cdtype))
         return [out.detach(), *(t.grad[..., :d] for t in leaves)]

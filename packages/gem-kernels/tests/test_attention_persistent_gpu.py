@@ -1,11 +1,11 @@
-"""The persistent attention kernels (``persistent``, ``tma``, ``tma_ws``; ``auto`` where it picks them) on
-CUDA in bf16/fp16 against the fp32 reference, at realistic shapes (skipped without a GPU).
+"""The persistent attention kernels (``tma``; ``auto`` where it picks them) on CUDA in bf16/fp16 against the
+fp32 reference, at realistic shapes (skipped without a GPU).
 
 H=4, D=128 (and 64), ragged lengths from 0 to ~2000 including 1 and non-multiples of every tile; causal and
 non-causal softmax, causal/non-causal/windowed silu GDPA, cross and PMA shapes; forward and the three
 gradients. Most cases fix 64x64 tiles, two run autotuned (the production configurations), one 32x64. On
-compute capability >= 9 the ``tma`` variants must have taken the TMA path. About 18 cases of a few seconds
-of compilation each.
+compute capability >= 9 the ``tma`` variant must have taken the TMA path. 14 cases of a few seconds of
+compilation each.
 """
 
 from __future__ import annotations
@@ -57,16 +57,13 @@ FIXED = (64, 64)
 @pytest.mark.parametrize(
     "variant,dtype,blocks,act,lq,lk,causal,window,d",
     [("tma", torch.bfloat16, FIXED, *c) for c in CASES]
-    + [("persistent", torch.bfloat16, FIXED, *c) for c in (CASES[0], CASES[2], CASES[5], CASES[7])]
-    + [("tma_ws", torch.bfloat16, FIXED, *c) for c in CASES[:2]]
-    + [("tma", torch.float16, FIXED, *CASES[0]), ("persistent", torch.bfloat16, (32, 64), *CASES[3])]
+    + [("tma", torch.float16, FIXED, *CASES[0]), ("tma", torch.bfloat16, (32, 64), *CASES[3])]
     + [("tma", torch.bfloat16, None, *CASES[0]), ("tma", torch.bfloat16, None, *CASES[2])]
     # The default: on sm_90 the TMA forward everywhere, the TMA backward only without a mask.
     + [("auto", torch.bfloat16, None, *CASES[0]), ("auto", torch.bfloat16, None, *CASES[2])],
 )
 def test_persistent_matches_fp32_reference(variant, dtype, blocks, act, lq, lk, causal, window, d):
-    from gem_kernels.triton_kernels import attention_persistent_launch as tp
-    from gem_kernels.triton_kernels.attention import force_blocks, force_variant
+    from gem_kernels.attention import testing
 
     torch.manual_seed(0)
     lk_ = lq if lk is None else lk
@@ -77,22 +74,17 @@ def test_persistent_matches_fp32_reference(variant, dtype, blocks, act, lq, lk, 
 
     def grads(backend, cdtype):
         leaves = [t.detach().to(cdtype).requires_grad_(True) for t in (q, k, v)]
-        with use_backend(backend), force_variant(variant):
-            if blocks is not None:
-                with force_blocks(*blocks):
-                    out = _run(act, *leaves, qo, ko, mq, mk, causal, window)
-                    out.backward(dout.to(cdtype))
-            else:
-                out = _run(act, *leaves, qo, ko, mq, mk, causal, window)
-                out.backward(dout.to(cdtype))
+        with use_backend(backend), testing.forced(variant=variant, blocks=blocks):
+            out = _run(act, *leaves, qo, ko, mq, mk, causal, window)
+            out.backward(dout.to(cdtype))
         return [out.detach(), *(t.grad for t in leaves)]
 
     ref = grads("reference", torch.float32)
     ref_low = grads("reference", dtype)
-    before = dict(tp.launches)
+    before = testing.persistent_launches()
     tri = grads("triton", dtype)
-    ran = {key for key, n in tp.launches.items() if n > before.get(key, 0)}
-    path = "tma" if variant != "persistent" and torch.cuda.get_device_capability()[0] >= 9 else "pointer"
+    ran = {key for key, n in testing.persistent_launches().items() if n > before.get(key, 0)}
+    path = "tma" if torch.cuda.get_device_capability()[0] >= 9 else "pointer"
     expected = {("fwd", path), ("dq", path), ("dkdv", path)}
     if variant == "auto":
         on_sm90 = torch.cuda.get_device_capability() == (9, 0)

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import gem_kernels
 from gem_kernels import gdpa, jagged_flash_attention
-from gem_kernels.torch_ops import attention_reference as reference
+from gem_kernels.attention import reference
 
 ACTS = ("silu", "gelu", "relu", "relu2", "identity")
 TORCH_ACT = {

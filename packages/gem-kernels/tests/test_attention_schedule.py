@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gem_kernels.triton_kernels.attention_schedule import build_schedule, cached_schedule, clear_cache
+from gem_kernels.attention.triton.schedule import build_schedule, cached_schedule, clear_cache
 
 BIG = 1 << 30  # the launcher's unbounded side
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from gem_kernels import Rotary, apply_rotary, block_attention
-from gem_kernels.block import count_block_pairs
+from gem_kernels.block.ops import count_block_pairs
 
 LENGTHS = [0, 1, 63, 64, 65, 2]
 

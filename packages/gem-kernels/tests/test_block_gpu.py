@@ -15,7 +15,7 @@ from gem_kernels import (
     padded_to_jagged,
     use_backend,
 )
-from gem_kernels.torch_ops.block_reference import (
+from gem_kernels.block.reference import (
     block_attention_backward_reference,
     block_attention_reference,
     rotary_reference,

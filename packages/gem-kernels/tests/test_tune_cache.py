@@ -303,35 +303,37 @@ def test_attention_candidates_by_shape_and_dtype_class(kernel: str, monkeypatch:
     configs; key tiles no longer than the keys' bucket where one fits."""
     import torch
 
-    from gem_kernels.triton_kernels import attention as ta
+    from gem_kernels.attention import variants
 
     # The count is its own test's; the lists are this one's.
     monkeypatch.setattr(tune_cache, "TUNE_CANDIDATES", 2)
+    from gem_kernels.attention.triton.autotuners import tiled_configs
+
     configs = {
-        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in ta._configs(kernel)
+        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in tiled_configs(kernel)
     }
     for bq, bkv in ((4096, 4096), (2048, 16), (2048, 64), (32, 4096), (16, 2048)):
         for dtype, most in ((torch.bfloat16, 2), (torch.float32, 1)):
             for d in (16, 64, 128, 256):
-                cands = ta.candidates_for(kernel, bq, bkv, dtype, d, d, H200_SMEM)
+                cands = variants.candidates_for(kernel, bq, bkv, dtype, d, d, H200_SMEM)
                 assert 1 <= len(cands) <= most and set(cands) <= configs
                 elsize = dtype.itemsize
                 assert all(
-                    ta.smem_bytes(kernel, c[0], c[1], c[3], d, d, elsize) <= H200_SMEM for c in cands
+                    variants.smem_bytes(kernel, c[0], c[1], c[3], d, d, elsize) <= H200_SMEM for c in cands
                 ) or (
                     len(cands) == 1 and d == 256  # nothing fits: the smallest is kept (Triton will say)
                 )
                 if bkv <= 64 and d <= 128:
                     assert all(c[1] <= bkv for c in cands)
     # fp32 D=128: the bf16 general list's 128x64, 3-stage tiles would not fit; the fp32 tile does.
-    assert ta.smem_bytes("fwd", 128, 128, 3, 128, 128, 4) > H200_SMEM
-    (fp32,) = ta.candidates_for(kernel, 4096, 4096, torch.float32, 128, 128, H200_SMEM)
+    assert variants.smem_bytes("fwd", 128, 128, 3, 128, 128, 4) > H200_SMEM
+    (fp32,) = variants.candidates_for(kernel, 4096, 4096, torch.float32, 128, 128, H200_SMEM)
     assert fp32[0] * fp32[1] <= 64 * 64 and fp32[3] == 2
     # A tight limit prunes the big tiles first.
-    big = ta.candidates_for(kernel, 4096, 4096, torch.bfloat16, 128, 128, None)
-    tight = ta.candidates_for(kernel, 4096, 4096, torch.bfloat16, 128, 128, 150_000)
+    big = variants.candidates_for(kernel, 4096, 4096, torch.bfloat16, 128, 128, None)
+    tight = variants.candidates_for(kernel, 4096, 4096, torch.bfloat16, 128, 128, 150_000)
     assert len(tight) >= 1 and all(
-        ta.smem_bytes(kernel, c[0], c[1], c[3], 128, 128, 2) <= 150_000 for c in tight
+        variants.smem_bytes(kernel, c[0], c[1], c[3], 128, 128, 2) <= 150_000 for c in tight
     )
     assert len(big) == 2 and len(tight) == 1
 
@@ -340,14 +342,14 @@ def test_attention_candidates_by_shape_and_dtype_class(kernel: str, monkeypatch:
 def test_tune_candidates_default_is_one_on_sm90_else_two(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from gem_kernels.triton_kernels import attention as ta
+    from gem_kernels.attention import variants
 
     monkeypatch.setattr(tune_cache, "TUNE_CANDIDATES", None)  # GEM_KERNELS_TUNE_CANDIDATES unset
     for sm90, want in ((True, 1), (False, 2)):
         monkeypatch.setattr(tune_cache, "_on_sm90", lambda sm90=sm90: sm90)
         assert tune_cache.tune_candidates() == want
-        got = ta.candidates_for("fwd", 4096, 4096, torch.bfloat16, 128, 128, H200_SMEM)
-        assert got == ta._CANDIDATES["fwd"]["general"][:want]
+        got = variants.candidates_for("fwd", 4096, 4096, torch.bfloat16, 128, 128, H200_SMEM)
+        assert got == variants.CANDIDATES["fwd"]["general"][:want]
     monkeypatch.setattr(tune_cache, "TUNE_CANDIDATES", 3)  # the variable wins on any device
     assert tune_cache.tune_candidates() == 3
 
@@ -356,9 +358,45 @@ def test_tune_candidates_default_is_one_on_sm90_else_two(monkeypatch: pytest.Mon
 def test_tune_candidates_one_compiles_the_first_pick_only(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from gem_kernels.triton_kernels import attention as ta
+    from gem_kernels.attention import variants
 
     monkeypatch.setattr(tune_cache, "TUNE_CANDIDATES", 1)
     for kernel in ("fwd", "dq", "dkdv"):
-        (only,) = ta.candidates_for(kernel, 4096, 4096, torch.bfloat16, 128, 128, H200_SMEM)
-        assert only == ta._CANDIDATES[kernel]["general"][0]
+        (only,) = variants.candidates_for(kernel, 4096, 4096, torch.bfloat16, 128, 128, H200_SMEM)
+        assert only == variants.CANDIDATES[kernel]["general"][0]
+
+
+@needs_triton
+def test_tune_cache_is_the_one_autotune_cache_of_the_package() -> None:
+    """Every ``triton.autotune`` of gem-kernels goes through :func:`tune_cache.autotune`: the sources call
+    ``triton.autotune`` nowhere else, and every autotuner the imported modules hold (module globals and
+    the values of module-level dicts) carries the disk-cache hooks. Nothing needs Triton's own
+    ``cache_results`` (a cached bucket is pruned to its one config before Triton would consult it)."""
+    import ast
+    import importlib
+    import pkgutil
+
+    from triton.runtime.autotuner import Autotuner
+
+    import gem_kernels
+
+    src = Path(gem_kernels.__file__).parent
+    callers = set()
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "autotune"
+                and ast.unparse(node) == "triton.autotune"
+            ):
+                callers.add(path.relative_to(src).as_posix())
+    assert callers == {"tune_cache.py"}
+    found = []
+    for info in pkgutil.walk_packages([str(src)], prefix="gem_kernels."):
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            for v in value.values() if isinstance(value, dict) else (value,):
+                if isinstance(v, Autotuner):
+                    found.append(v)
+    assert len({id(t) for t in found}) >= 11  # the attention kernels' (testing.autotuners())
+    assert all(isinstance(getattr(t, "persistent", None), tune_cache.PersistentTuning) for t in found)

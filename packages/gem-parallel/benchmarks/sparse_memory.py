@@ -1,16 +1,17 @@
 """Embedding memory and communication of 1D / 2D / fully sharded 2D sharding: the model at scale, and the
-same quantities measured on 4 gloo CPU ranks for gem-model's ``small`` config, side by side with the model.
+same quantities measured on 4 gloo CPU ranks for gem-parallel's toy model, side by side with the model.
 
-- ``model``: :func:`gem_parallel.sparse.memory.sparse_costs` for a trillion-parameter table set (below) at
-  1024 and 4096 GPUs: per-rank resident / peak table bytes (fp32 weights + row-wise Adagrad state) and the
-  per-step all-to-all, reduce-scatter, all-gather and all-reduce bytes of one rank.
-- ``measure``: 4 CPU processes (gloo) run gem-model ``small`` with its tables sharded 1D (G=4), 2D (G=2,
-  R=2) and fully sharded 2D (G=2, R=2) by ``gem_parallel.sparse.shard_embeddings``; per rank the table bytes
-  held between steps and, over one training step (forward, backward with the fused update, the replica
-  step), the bytes of every collective (``gem_parallel.CollectiveBytes``), next to the model evaluated on
-  the same tables and the same batch's id counts.
+- ``model``: :func:`sparse_memory_model.sparse_costs` for a trillion-parameter table set (below) at 1024 and
+  4096 GPUs: per-rank resident / peak table bytes (fp32 weights + row-wise Adagrad state) and the per-step
+  all-to-all, reduce-scatter, all-gather and all-reduce bytes of one rank.
+- ``measure``: 4 CPU processes (gloo) run :class:`gem_parallel.testing.toy_model.ToyModel` with the tables of
+  gem-model's ``small`` config (:func:`small_tables_config`: 25.7M table parameters) sharded 1D (G=4), 2D
+  (G=2, R=2) and fully sharded 2D (G=2, R=2) by ``gem_parallel.sparse.shard_embeddings``; per rank the table
+  bytes held between steps and, over one training step (forward, backward with the fused update, the
+  replica step), the bytes of every collective (``gem_parallel.CollectiveBytes``), next to the model
+  evaluated on the same tables and the same batch's id counts.
 
-Usage (CPU, ~2-4 min on 2 loaded cores):
+Usage (CPU, a few minutes on 2 loaded cores):
     python packages/gem-parallel/benchmarks/sparse_memory.py --out DIR
     python packages/gem-parallel/benchmarks/sparse_memory.py --parts model --out DIR   # seconds
 Writes ``DIR/sparse_memory.json`` and prints markdown tables.
@@ -24,7 +25,8 @@ import os
 import sys
 from pathlib import Path
 
-from gem_parallel.sparse.memory import Table, sparse_costs
+sys.path.insert(0, str(Path(__file__).parent))  # also in the ranks, which load this file by path
+from sparse_memory_model import Table, sparse_costs
 
 STRATEGIES = (("1d", 4), ("2d", 2), ("fully_sharded_2d", 2))  # (strategy, sharding group) on 4 ranks
 GIB = 2**30
@@ -65,6 +67,23 @@ def model_rows(worlds: tuple[int, ...] = (1024, 4096), group: int = 256) -> list
 # -- measurement on 4 gloo ranks ----------------------------------------------------------------------------
 
 
+def small_tables_config():
+    """A :class:`~gem_parallel.testing.toy_model.ToyConfig` with the tables of gem-model's ``small`` config
+    (64-wide rows): user and ad ids (100,000 rows, one id), four attribute tables (1,000 / 100 rows, up to 2
+    ids), and two histories (up to 256 and 128 events) each with an item (100,000 rows) and an action (8
+    rows) sequence feature. The dense part is minimal: the measurement is about the tables."""
+    from gem_parallel.testing.toy_model import ToyConfig
+
+    bags = (("user_id", 100_000), ("user_attr_0", 1_000), ("user_attr_1", 1_000), ("ad_id", 100_000),
+            ("ad_attr_0", 100), ("ad_attr_1", 100))  # fmt: skip
+    sequences = (("history_item", 100_000), ("history_action", 8), ("ads_history_item", 100_000),
+                 ("ads_history_action", 8))  # fmt: skip
+    return ToyConfig(
+        bag_features=bags, sequence_features=sequences, max_ids=2, max_len=256, embedding_dim=64,
+        d_model=16, n_layers=1, n_experts=1, expert_hidden=16, ffn_hidden=16,
+    )  # fmt: skip
+
+
 def _tables_and_ids(model, batches) -> list[Table]:
     """The model's tables with each one's mean ids per sample over ``batches`` (what this rank looked up)."""
     from gem_parallel.sparse.plan import embedding_tables
@@ -73,12 +92,9 @@ def _tables_and_ids(model, batches) -> list[Table]:
     samples = 0
     for b in batches:
         samples += b.batch_size
-        for key in b.sparse.keys():  # noqa: SIM118 (a KeyedJaggedTensor, not a dict)
-            counts[f"t_{key}"] = counts.get(f"t_{key}", 0.0) + float(b.sparse[key].lengths().sum())
-        for name, seq in b.sequences.items():
-            n = float(seq.lengths.sum())
-            for t in (f"t_{name}_item", f"t_{name}_action"):
-                counts[t] = counts.get(t, 0.0) + n
+        for kjt in (b.bags, b.sequences):
+            for key, n in zip(kjt.keys(), kjt.length_per_key()):
+                counts[f"t_{key}"] = counts.get(f"t_{key}", 0.0) + float(n)
     return [
         Table(t.name, t.rows, t.dim, counts.get(t.name, 0.0) / samples, pooled=t.module == "bags")
         for t in embedding_tables(model.embeddings)
@@ -112,22 +128,18 @@ def _logged_bytes_class():
     return LoggedBytes
 
 
-def _measure_worker(rank: int, world: int, batch: int, config_name: str) -> dict:
-    import torch
-
-    import gem_model as gm
+def _measure_worker(rank: int, world: int, batch: int) -> dict:
     from gem_parallel import ParallelDims
     from gem_parallel.sparse import shard_embeddings, sparse_sharding
+    from gem_parallel.testing.toy_model import ToyModel, toy_batch, toy_loss
 
-    config = gm.get_config(config_name)
+    config = small_tables_config()
     _LoggedBytes = _logged_bytes_class()
     out = {}
     for strategy, group in STRATEGIES:
-        torch.manual_seed(0)
-        model = gm.GemModel(config)
-        model.init_weights()
+        model = ToyModel(config, seed=0)
         dims = ParallelDims(sparse_group=group)
-        batches = [gm.random_batch(config.features, batch, seed=100 * s + rank) for s in range(2)]
+        batches = [toy_batch(config, batch, seed=100 * s + rank) for s in range(2)]
         tables = _tables_and_ids(model, batches[1:])  # the ids of the counted step
         shard_embeddings(model, dims, dims.build_sparse_mesh("cpu"), strategy=strategy)
         handle = sparse_sharding(model)
@@ -135,7 +147,7 @@ def _measure_worker(rank: int, world: int, batch: int, config_name: str) -> dict
         counted = None
         for step, b in enumerate(batches):  # step 0 warms up; step 1 is counted
             with _LoggedBytes() as cb:
-                loss, _ = gm.multitask_loss(model(b), b)
+                loss = toy_loss(model(b), b)
                 loss.backward()
                 handle.step()
             counted = cb
@@ -153,13 +165,12 @@ def _measure_worker(rank: int, world: int, batch: int, config_name: str) -> dict
     return out
 
 
-def measure_rows(batch: int, config_name: str) -> list[dict]:
+def measure_rows(batch: int) -> list[dict]:
     from gem_parallel.testing import run_distributed
 
     results = run_distributed(
-        __file__, "_measure_worker", world_size=4, kwargs={"batch": batch, "config_name": config_name},
-        timeout_s=500,
-    )  # fmt: skip
+        __file__, "_measure_worker", world_size=4, kwargs={"batch": batch}, timeout_s=500
+    )
     rows = []
     for strategy, group in STRATEGIES:
         per_rank = [r[strategy] for r in results]
@@ -223,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="model,measure")
     ap.add_argument("--batch", type=int, default=4, help="samples per rank in the measurement")
-    ap.add_argument("--config", default="small")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     parts = a.parts.split(",")
@@ -232,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         result["model"] = model_rows()
         print_model(result["model"])
     if "measure" in parts:
-        result["measured"] = measure_rows(a.batch, a.config)
+        result["measured"] = measure_rows(a.batch)
         print_measured(result["measured"])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

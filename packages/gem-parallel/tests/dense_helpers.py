@@ -1,4 +1,4 @@
-"""Shared pieces of the dense-parallel tests: a small GEM config, per-rank batch slices, the reference run."""
+"""Shared pieces of the dense-parallel tests: the toy model's config, per-rank slices, the reference run."""
 
 from __future__ import annotations
 
@@ -7,22 +7,16 @@ import dataclasses
 import torch
 from torch.distributed.tensor import DTensor
 
-import gem_model as gm
+from gem_parallel.testing.toy_model import ToyBatch, ToyConfig, ToyModel, toy_loss
 
 
-def small_config(n_experts: int = 2, **overrides) -> gm.GemConfig:
-    """``tiny`` with small features (short histories, small vocabularies): a step costs tens of ms."""
-    spec = gm.FeatureSpec(
-        n_dense=4,
-        sparse=(gm.SparseFeature("user", 50), gm.SparseFeature("ad", 40, max_ids=2)),
-        sequences=(gm.SequenceFeature("history", 60, 4, 12),),
-    )
-    return dataclasses.replace(gm.get_config("tiny"), features=spec, n_experts=n_experts, **overrides)
+def small_config(n_experts: int = 2, **overrides) -> ToyConfig:
+    """The toy model's defaults (2 layers, d_model 32, histories of 0..12 events): a step costs a few ms."""
+    return dataclasses.replace(ToyConfig(), n_experts=n_experts, **overrides)
 
 
-def build_model(config: gm.GemConfig, seed: int = 0) -> gm.GemModel:
-    torch.manual_seed(seed)
-    return gm.GemModel(config)
+def build_model(config: ToyConfig, seed: int = 0) -> ToyModel:
+    return ToyModel(config, seed=seed)
 
 
 def rank_slices(sizes: list[int]) -> list[list[int]]:
@@ -31,14 +25,13 @@ def rank_slices(sizes: list[int]) -> list[list[int]]:
     return [list(range(s, s + n)) for s, n in zip(starts, sizes)]
 
 
-def reference_loss(model: gm.GemModel, batch: gm.GemBatch, sizes: list[int]) -> torch.Tensor:
+def reference_loss(model: ToyModel, batch: ToyBatch, sizes: list[int]) -> torch.Tensor:
     """The objective data parallelism optimises: the mean over ranks of each rank's own loss (one forward
     of the whole global batch, its logits split by rank)."""
     logits = model(batch)
     losses = []
     for idx in rank_slices(sizes):
-        sel = torch.tensor(idx)
-        losses.append(gm.multitask_loss({t: v[sel] for t, v in logits.items()}, batch.select(idx))[0])
+        losses.append(toy_loss(logits[torch.tensor(idx)], batch.select(idx)))
     return torch.stack(losses).mean()
 
 

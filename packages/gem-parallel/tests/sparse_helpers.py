@@ -1,46 +1,33 @@
-"""Shared pieces of the sparse tests: a toy model of TorchRec tables, ragged batches, unsharded references."""
+"""Shared pieces of the sparse tests: the toy model's tables with a fixed readout, ragged batches, unsharded
+references (row-wise Adagrad in plain PyTorch)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from gem_parallel.testing.toy_model import ToyEmbeddings
+
 DIM = 8
-# (name, rows): t_a is over half the tables' bytes (row-wise on 2 ranks), t_s over a quarter (row-wise on 4).
-BAG_TABLES = (("t_a", 45), ("t_b", 7))
-SEQ_TABLES = (("t_s", 29), ("t_t", 5))
-BAG_KEYS = ("a", "b")
-SEQ_KEYS = ("s", "t")
-
-
-class Tables(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.bags = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[k],
-                                       pooling=PoolingType.SUM) for (n, r), k in zip(BAG_TABLES, BAG_KEYS)],
-        )  # fmt: skip
-        self.sequences = EmbeddingCollection(
-            tables=[EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[k])
-                    for (n, r), k in zip(SEQ_TABLES, SEQ_KEYS)],
-        )  # fmt: skip
-
-    def forward(self, bags: KeyedJaggedTensor, seqs: KeyedJaggedTensor) -> tuple[Tensor, dict[str, Tensor]]:
-        pooled = self.bags(bags).values()
-        jts = self.sequences(seqs)
-        return pooled, {k: jts[k].values() for k in SEQ_KEYS}
+# Features (key, rows), tables t_<key>: t_a is over half the tables' bytes (row-wise on 2 ranks), t_s over a
+# quarter (row-wise on 4).
+BAG_FEATURES = (("a", 45), ("b", 7))
+SEQ_FEATURES = (("s", 29), ("t", 5))
+BAG_TABLES = tuple((f"t_{k}", r) for k, r in BAG_FEATURES)
+SEQ_TABLES = tuple((f"t_{k}", r) for k, r in SEQ_FEATURES)
+BAG_KEYS = tuple(k for k, _ in BAG_FEATURES)
+SEQ_KEYS = tuple(k for k, _ in SEQ_FEATURES)
 
 
 class ToyModel(nn.Module):
-    """Tables plus a fixed readout: loss = sum(tanh(pooled) * u) + sum_k sum(tanh(seq_k) * v_k)."""
+    """The toy model's tables (``gem_parallel.testing.toy_model.ToyEmbeddings``) plus a fixed readout:
+    loss = sum(tanh(pooled) * u) + sum_k sum(tanh(seq_k) * v_k)."""
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.embeddings = Tables()
+        self.embeddings = ToyEmbeddings(BAG_FEATURES, SEQ_FEATURES, DIM)
         for p in self.embeddings.parameters():
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
@@ -49,7 +36,7 @@ class ToyModel(nn.Module):
 
     def loss(self, bags: KeyedJaggedTensor, seqs: KeyedJaggedTensor) -> Tensor:
         pooled, per_key = self.embeddings(bags, seqs)
-        out = (torch.tanh(pooled) * self.u).sum()
+        out = (torch.tanh(pooled.flatten(1)) * self.u).sum()
         for i, k in enumerate(SEQ_KEYS):
             out = out + (torch.tanh(per_key[k]) * self.v[i]).sum()
         return out
@@ -134,10 +121,35 @@ def sharded_state(model: nn.Module, group) -> dict[str, Tensor]:
     return _whole(mine, {n: (r,) for n, (r, _) in _shapes().items()}, group)
 
 
+class RowWiseAdagrad:
+    """Exact row-wise Adagrad on whole tables with dense gradients, the reference of fbgemm's fused
+    ``EXACT_ROWWISE_ADAGRAD``: for a table ``W [rows, dim]`` with gradient ``G``, ``s_r += mean_j G_rj^2`` and
+    ``W_r -= lr * G_r / (sqrt(s_r) + eps)``. A row no batch looked up has a zero gradient and stays
+    bit-identical. ``state[p]["sum"]`` is the fp32 accumulator ``[rows]``."""
+
+    def __init__(self, params, lr: float, eps: float) -> None:
+        self.params, self.lr, self.eps = list(params), lr, eps
+        self.state = {p: {"sum": torch.zeros(p.shape[0], dtype=torch.float32)} for p in self.params}
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            g = p.grad.float()
+            acc = self.state[p]["sum"]
+            acc.add_(g.square().mean(dim=1))
+            p.sub_((self.lr * g / (acc.sqrt() + self.eps)[:, None]).to(p.dtype))
+
+
 def reference_run(
     world: int, replicas: int, sync_every: int, steps: int, lr: float, eps: float
 ) -> dict[str, object]:
-    """The unsharded run the sharded one must equal, with gem-train's dense-gradient RowWiseAdagrad.
+    """The unsharded run the sharded one must equal, with the dense-gradient :class:`RowWiseAdagrad`.
 
     Replica ``r`` is the sharding group of ranks ``[r, R + r, ...]``: its tables take, each step, the mean
     loss of those ranks' batches (TorchRec divides the gradient by the group size, as DDP averages), and
@@ -146,8 +158,6 @@ def reference_run(
     Returns ``losses[step][rank]`` (before that step's update), ``tables[r]`` / ``state[r]`` (per table
     name) after the last step, ``touched[r]`` (rows each replica's batches looked up) and the initial tables.
     """
-    from gem_train.loop.optim import RowWiseAdagrad
-
     models = [ToyModel() for _ in range(replicas)]
     opts = [RowWiseAdagrad(m.embeddings.parameters(), lr=lr, eps=eps) for m in models]
     names = {id(p): n.split(".")[-2] for n, p in models[0].embeddings.named_parameters()}

@@ -5,12 +5,17 @@ Activation memory is measured twice (:mod:`gem_parallel.activation_memory`): byt
 holds after the forward (what backward will need, whoever keeps it) and, as a cross-check where it is
 exact (plain autograd), the bytes autograd's saved-tensor hooks see.
 
-FP8 tolerance: E4M3 stores each saved element with a relative error <= 2^-4 (6%). Gradients are sums over
-many such products, so their errors average down: over all parameters the gradient moves by ~0.5% (norm
-of the difference over norm of the gradient, measured) and every tensor keeps its direction (cosine >=
-0.996 measured). The bounds, 3% and 0.98, leave a 5x margin; a lost scale or tensor is an O(1) error.
-(Per-entry bounds do not work here: small gradients that are sums with cancellation have large
-relative errors under any quantization.)
+The model is gem-parallel's toy model (:mod:`gem_parallel.testing.toy_model`).
+
+FP8 tolerance: E4M3 stores each saved element with a relative error <= 2^-4 (6.25%), spread evenly inside
+that bound by rounding to nearest (RMS <= 2^-4 / sqrt(3), 3.6%). A weight gradient sums saved values times
+output gradients over the samples; where those terms have random signs (the toy's head weight, 3/4 of the
+gradient norm) the rounding errors add up as the terms do, so the whole keeps the elements' relative error
+instead of averaging it down: over all parameters the gradient moves by 3.0% (norm of the difference over
+norm of the gradient, measured with fp8 and mxfp8) and every tensor keeps its direction (cosine >= 0.997
+measured). The bounds, 2^-4 and 0.98, are the per-element bound and 8x the measured angle error; a lost
+scale or tensor is an O(1) error. (Per-entry bounds do not work here: small gradients that are sums with
+cancellation have large relative errors under any quantization.)
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from dense_helpers import build_model, max_rel_diff, small_config
 
-import gem_model as gm
 from gem_parallel import allocate_region_budgets, retained_bytes, saved_tensor_bytes
 from gem_parallel.activation_checkpoint import (
     apply_activation_checkpointing,
@@ -35,12 +39,13 @@ from gem_parallel.activation_checkpoint import (
     check_no_dropout,
     has_region_budgets,
 )
+from gem_parallel.testing.toy_model import ToyBatch, toy_batch, toy_loss
 
 
 def _assert_fp8_close(grads: dict, ref: dict) -> None:
     num = sum(float((grads[n] - ref[n]).square().sum()) for n in ref)
     den = sum(float(ref[n].square().sum()) for n in ref)
-    assert (num / den) ** 0.5 <= 0.03, (num / den) ** 0.5
+    assert (num / den) ** 0.5 <= 2.0**-4, (num / den) ** 0.5
     cos = min(
         (float(F.cosine_similarity(grads[n].flatten(), ref[n].flatten(), dim=0)), n)
         for n in ref
@@ -49,23 +54,25 @@ def _assert_fp8_close(grads: dict, ref: dict) -> None:
     assert cos[0] >= 0.98, cos
 
 
-def _grads_and_memory(model: nn.Module, batch: gm.GemBatch) -> tuple[dict, int, float]:
+def _grads_and_memory(model: nn.Module, batch: ToyBatch) -> tuple[dict, int, float]:
     model.zero_grad(set_to_none=True)
     logits, held = retained_bytes(lambda: model(batch))
-    loss, _ = gm.multitask_loss(logits, batch)
+    loss = toy_loss(logits, batch)
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, held, float(loss)
 
 
 @pytest.fixture(scope="module")
-def gem_setup():
+def toy_setup():
     config = small_config()
-    batch = gm.random_batch(config.features, 32, seed=3)
+    # 128 samples: activations ~30x the weights. (saved_tensor_bytes counts the transposed weight views that
+    # matmuls save, 0.12 MB here, as activations; retained_bytes does not: they must stay a small share.)
+    batch = toy_batch(config, 128, seed=3)
     return build_model(config), batch
 
 
-def test_measurements_agree_for_plain_autograd(gem_setup):
-    model, batch = gem_setup
+def test_measurements_agree_for_plain_autograd(toy_setup):
+    model, batch = toy_setup
     _, held = retained_bytes(lambda: model(batch))
     _, saved = saved_tensor_bytes(lambda: model(batch))
     # The allocator also holds the logits and a few autograd buffers: within 10% of what autograd saved.
@@ -74,8 +81,8 @@ def test_measurements_agree_for_plain_autograd(gem_setup):
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
 @pytest.mark.parametrize("saved", ["bf16", "fp8", "mxfp8"])
-def test_policies_same_gradients_less_memory(gem_setup, policy, saved):
-    base, batch = gem_setup
+def test_policies_same_gradients_less_memory(toy_setup, policy, saved):
+    base, batch = toy_setup
     ref_grads, ref_held, ref_loss = _grads_and_memory(base, batch)
     model = copy.deepcopy(base)
     apply_activation_checkpointing(model, policy)
@@ -96,8 +103,8 @@ def test_policies_same_gradients_less_memory(gem_setup, policy, saved):
 
 
 @pytest.mark.parametrize("saved", ["fp8", "mxfp8"])
-def test_fp8_saved_activations_alone(gem_setup, saved):
-    base, batch = gem_setup
+def test_fp8_saved_activations_alone(toy_setup, saved):
+    base, batch = toy_setup
     ref_grads, ref_held, _ = _grads_and_memory(base, batch)
     model = copy.deepcopy(base)
     apply_saved_activation_compression(model, saved)
@@ -197,10 +204,12 @@ def test_budget_guards_random_ops():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # inductor compiles the blocks, twice: ~100 s on a loaded 2-core machine
 @pytest.mark.skipif(not has_region_budgets(), reason="per-region budgets need torch >= 2.13")
-def test_budget_on_gem_model(gem_setup):
-    # ~2 min on the CPU (inductor compiles both layer kinds twice): the GEM layers under a 0.3 budget.
-    base, batch = gem_setup
+def test_budget_on_toy_model(toy_setup):
+    # The toy's blocks (an expert ensemble, a jagged sequence of dynamic length) under a 0.3 budget, compiled.
+    # (gem-train's tests run GEM's own layers under a budget.)
+    base, batch = toy_setup
     ref_grads, ref_held, _ = _grads_and_memory(base, batch)
     compiled = copy.deepcopy(base)
     apply_activation_checkpointing(compiled, "none", compile=True)

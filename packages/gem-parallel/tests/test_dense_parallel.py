@@ -1,17 +1,17 @@
 """FSDP (1x4), HSDP (2x2) and expert parallelism (2-way, experts FSDP-sharded) against one process.
 
-One 4-rank launch trains the same small GEM model for two optimizer steps under each layout (one of them
-with full activation checkpointing, which replays the EP collectives in backward) and compares
-losses, gradients (after step 1) and parameters (after step 2) with a single-process run on the same global
-batch. The EP layouts give the ranks different local batch sizes (ragged, one of them a single sample), so
-the EP padding path runs too.
+One 4-rank launch trains the same toy model (:mod:`gem_parallel.testing.toy_model`) for two optimizer steps
+under each layout (one of them with full activation checkpointing, which replays the EP collectives in
+backward) and compares losses, gradients (after step 1) and parameters (after step 2) with a single-process
+run on the same global batch. The EP layouts give the ranks different local batch sizes (ragged, one of
+them a single sample), so the EP padding path runs too.
 
 Tolerances (fp32): the parallel runs reorder sums (reduce-scatter / all-reduce over ranks, batched
 matmuls over other row counts), so they differ from the reference by float32 rounding only. Losses: 1e-5
-relative (measured <= 1e-7). Gradients and parameters: 1e-4 of each tensor's largest entry (measured
-<= 2e-5, on the near-zero gate biases, whose largest entry is small). A real bug is orders of magnitude
-above: a missed or doubled gradient share is an O(1) relative error (this test caught expert gradients
-off by 4x, 0.75, in an HSDP + EP layout).
+relative (measured <= 1.4e-7 on the toy model; 1e-7 on GEM before). Gradients and parameters: 1e-4 of each
+tensor's largest entry (measured <= 1.1e-6 on the toy model, on layer-norm gains; 2e-5 on GEM's near-zero
+gate biases). A real bug is orders of magnitude above: a missed or doubled gradient share is an O(1) relative
+error (this test caught expert gradients off by 4x, 0.75, in an HSDP + EP layout).
 
 The EP layouts also count the functional-collective works in flight whenever an EP collective is issued: it
 must be none. Two functional collectives in flight at once on one gloo group corrupt memory in torch 2.13: a
@@ -39,10 +39,10 @@ from dense_helpers import (
     small_config,
 )
 
-import gem_model as gm
 import gem_parallel.expert as expert_module
 from gem_parallel import FSDPConfig, ParallelConfig, ParallelDims, parallelize
 from gem_parallel.testing import run_distributed
+from gem_parallel.testing.toy_model import toy_batch, toy_loss
 
 LOSS_TOL = 1e-5
 TOL = 1e-4
@@ -104,9 +104,9 @@ def _train_layout(layout: str, rank: int, world_size: int, steps: int) -> dict:
     out: dict = {"loss": [], "ref_loss": [], "grad": {}, "param": {}}
     ref_params = dict(ref.named_parameters())
     for step in range(steps):
-        batch = gm.random_batch(config.features, sum(sizes), seed=100 + step)
+        batch = toy_batch(config, sum(sizes), seed=100 + step)
         local = batch.select(rank_slices(sizes)[rank])
-        loss, _ = gm.multitask_loss(model(local), local)
+        loss = toy_loss(model(local), local)
         loss.backward()
         ref_l = reference_loss(ref, batch, sizes)
         ref_l.backward()

@@ -1,5 +1,6 @@
 """gem_parallel.sparse on gloo CPU ranks: sharded tables (1D, 2D, fully sharded 2D) equal the unsharded
-tables trained with gem-train's dense-gradient RowWiseAdagrad.
+tables trained with exact row-wise Adagrad in plain PyTorch (``sparse_helpers.RowWiseAdagrad``); the
+per-rank bytes equal the memory model of ``benchmarks/sparse_memory_model.py``.
 
 Tolerance: both sides are fp32 with the same update formula; they differ only in summation order (TBE
 kernels vs autograd's index_add), so 1e-5 absolute on weights of size ~1 and on accumulators (measured
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))  # sparse_memory_model
 
 from gem_parallel.testing import run_distributed
 
@@ -103,8 +105,7 @@ def _dcp_round_trip(model, shard_pg, path: str, rank: int) -> dict[str, float]:
 
 def _memory_model(world: int, replicas: int, fully_sharded: bool):
     import sparse_helpers as H
-
-    from gem_parallel.sparse.memory import Table, sparse_costs
+    from sparse_memory_model import Table, sparse_costs
 
     tables = [Table(n, r, H.DIM, 1.0, True) for n, r in H.BAG_TABLES]
     tables += [Table(n, r, H.DIM, 1.0, False) for n, r in H.SEQ_TABLES]

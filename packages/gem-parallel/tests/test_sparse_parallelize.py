@@ -1,4 +1,4 @@
-"""``parallelize(..., ParallelConfig(embeddings="2d"))`` on 4 gloo ranks: a small GEM model whose tables are
+"""``parallelize(..., ParallelConfig(embeddings="2d"))`` on 4 gloo ranks: the toy model, whose tables are
 sharded 2D (2 sharding groups of 2, replicas averaged) and whose dense part is FSDP2-sharded matches one
 process on the global batch: the losses and every dense gradient after the first step, and the tables stay
 equal across replicas after the sync.
@@ -20,9 +20,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from dense_helpers import build_model, full, max_rel_diff, rank_slices, reference_loss, small_config
 
-import gem_model as gm
 from gem_parallel import FSDPConfig, ParallelConfig, ParallelDims, parallelize
 from gem_parallel.testing import run_distributed
+from gem_parallel.testing.toy_model import toy_batch, toy_loss
 
 SIZES = [2, 2, 2, 2]  # TorchRec's CPU kernels need equal batches per rank (no variable batch size)
 
@@ -38,9 +38,9 @@ def _worker(rank: int, world: int) -> dict:
     cfg = ParallelConfig(embeddings="2d", fsdp=FSDPConfig(reduce_dtype=None), embedding_lr=0.1)
     model = parallelize(model, dims, dims.build_mesh("cpu"), cfg, sparse_mesh=dims.build_sparse_mesh("cpu"))
     handle = sparse_sharding(model)
-    batch = gm.random_batch(config.features, sum(SIZES), seed=7)
+    batch = toy_batch(config, sum(SIZES), seed=7)
     local = batch.select(rank_slices(SIZES)[rank])
-    loss, _ = gm.multitask_loss(model(local), local)
+    loss = toy_loss(model(local), local)
     loss.backward()
     ref_loss = reference_loss(ref, batch, SIZES)
     ref_loss.backward()

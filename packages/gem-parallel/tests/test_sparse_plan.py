@@ -1,5 +1,5 @@
-"""gem_parallel.sparse plans and memory model in one process (no process group): deterministic plans, the
-placement rule, the per-rank accounting, and the model's formulas on hand-computed cases."""
+"""gem_parallel.sparse plans and the benchmarks' memory model in one process (no process group): deterministic
+plans, the placement rule, the per-rank accounting, and the model's formulas on hand-computed cases."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import sparse_helpers as H
+from sparse_memory_model import Table, sparse_costs
 
 from gem_parallel.sparse import PlanError, make_plan, plan_fingerprint
-from gem_parallel.sparse.memory import Table, sparse_costs
 from gem_parallel.sparse.plan import embedding_tables, rank_bytes
 from gem_parallel.sparse.sharders import gem_sharders
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from gem_precision import MXFP8Linear, Recipe, linear
 from gem_precision.rowwise import quantize_rowwise, quantize_rowwise_both
-from gem_precision.triton_kernels import rowwise as triton_rowwise
+from gem_precision.rowwise import triton as triton_rowwise
 
 # (name, in_features, out_features, layers): base's event-level linears.
 LAYERS = [

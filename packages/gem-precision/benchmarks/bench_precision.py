@@ -22,8 +22,8 @@ import triton
 from torch import nn
 
 from gem_precision import MXFP8Linear, Recipe, compress_saved_activations, to_mx
+from gem_precision.mx import triton as triton_mx
 from gem_precision.rowwise import quantize_rowwise
-from gem_precision.triton_kernels import mx as triton_mx
 
 ROWS: list[dict] = []
 

@@ -11,8 +11,8 @@ import torch
 
 from gem_precision import mx_mm, random_hadamard, to_mx
 from gem_precision.formats import E4M3
-from gem_precision.torch_ops.rowwise_reference import quantize_rowwise_reference
-from gem_precision.triton_kernels.rowwise import quantize_rowwise_triton
+from gem_precision.rowwise.reference import quantize_rowwise_reference
+from gem_precision.rowwise.triton import quantize_rowwise_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 FAILED: list[str] = []
@@ -103,7 +103,7 @@ def main(big: bool) -> None:
             qa, qw = to_mx(a), to_mx(w, square=square)
             ref = qa.dequantize(torch.float64) @ qw.dequantize(torch.float64).t()
             for variant in (False, True):
-                from gem_precision.triton_kernels import mx as triton_mx
+                from gem_precision.mx import triton as triton_mx
 
                 out = triton_mx.mx_mm_triton(qa, qw.t(), out_dtype=torch.float32, bf16_dot=variant)
                 err = ((out.double() - ref).norm() / ref.norm()).item()
@@ -111,16 +111,18 @@ def main(big: bool) -> None:
                 # with ~2**-13 precision inside each 32-wide slice (the bf16 variant does not).
                 tol = 1e-5 if (variant or DEVICE == "cpu") else 2e-4
                 check(f"mx_mm {m}x{k}x{n} square={square} bf16_dot={variant}", err < tol, f"err {err:.2e}")
-    from gem_precision.triton_kernels.mx import dequantize_triton, mx_mm_triton
+    from gem_precision.mx.triton import dequantize_triton, mx_mm_triton
 
     x = torch.randn(70, 96, device=DEVICE) * 1e3
     for kw in (dict(), dict(axis=0), dict(square=True)):
         q = to_mx(x, **kw)
         for view in (q, q.t()):
+            want = view.dequantize(torch.float32, backend="reference")
             d = dequantize_triton(view, torch.float32)
-            check(
-                f"dequantize_triton {kw} {tuple(view.shape)}", torch.equal(d, view.dequantize(torch.float32))
-            )
+            check(f"dequantize_triton {kw} {tuple(view.shape)}", torch.equal(d, want))
+            # MXTensor.dequantize dispatches to the same kernel (under the interpreter too, when forced).
+            d = view.dequantize(torch.float32, backend="triton")
+            check(f"MXTensor.dequantize(backend='triton') {kw} {tuple(view.shape)}", torch.equal(d, want))
     if DEVICE == "cuda":
         a, w = torch.randn(256, 512, device=DEVICE), torch.randn(384, 512, device=DEVICE)
         qa, qw = to_mx(a), to_mx(w, axis=0, square=True)

@@ -345,3 +345,31 @@ def test_empty_and_single_element_inputs():
     assert torch.equal(k0, torch.zeros(3, 4))
     one = to_mx(torch.tensor([[3.0]]))
     assert one.dequantize().item() == 3.0 and one.scale.item() == 127 - 7  # rceil: 3 <= 448 * 2**-7
+
+
+def test_dequantize_goes_through_dispatch(monkeypatch):
+    """``MXTensor.dequantize`` asks :func:`gem_precision.dispatch.use_triton` (its ``backend`` argument,
+    else the process-wide choice): the reference on the CPU, a clear error where Triton is forced but
+    cannot run, and the kernel only where dispatch says so (``_triton_interpret_checks.py`` runs it)."""
+    import gem_precision.mx.dequantize as deq_module
+    from gem_precision import use_backend
+    from gem_precision.dispatch import HAS_TRITON, triton_interpreted
+
+    q = to_mx(torch.randn(8, 64) * 100)
+    want = q.dequantize(torch.float32, backend="reference")
+    assert torch.equal(q.dequantize(torch.float32), want)  # auto on the CPU
+    assert torch.equal(q.t().dequantize(torch.float32), want.t())
+    with pytest.raises(ValueError, match="backend must be one of"):
+        q.dequantize(backend="cuda")
+    if HAS_TRITON and not triton_interpreted():
+        with pytest.raises(RuntimeError, match="triton backend needs CUDA tensors"):
+            q.dequantize(backend="triton")
+        with use_backend("triton"), pytest.raises(RuntimeError, match="triton backend needs CUDA tensors"):
+            q.dequantize()
+    asked = []
+    monkeypatch.setattr(deq_module, "use_triton", lambda t, backend: asked.append(backend) or False)
+    assert torch.equal(q.dequantize(torch.float32, backend="reference"), want)
+    q.dequantize()
+    hadamard = to_mx(torch.randn(8, 64), hadamard=random_hadamard(32))
+    hadamard.dequantize()  # the kernel cannot undo a Hadamard transform: dispatch is not asked
+    assert asked == ["reference", "auto"]

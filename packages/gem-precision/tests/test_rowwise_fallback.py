@@ -13,8 +13,8 @@ from torch import nn
 
 from gem_precision import MXFP8Linear, Recipe, convert, fp8_rowwise_mm, quantize_rowwise
 from gem_precision.linear import _MXLinearFn
-from gem_precision.rowwise import rowwise_fallback, scaled_mm_rowwise
-from gem_precision.torch_ops.rowwise_reference import quantize_rowwise_reference
+from gem_precision.rowwise.ops import rowwise_fallback, scaled_mm_rowwise
+from gem_precision.rowwise.reference import quantize_rowwise_reference
 
 FP8 = Recipe.fp8_rowwise()
 

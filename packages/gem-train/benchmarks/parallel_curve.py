@@ -6,8 +6,8 @@ process trained on the same global batches, and the peak memory of every rank.
         parallel.group_size=2 parallel.balancer=base_batch_shuffling
 
 It runs ``torchrun --standalone --nproc_per_node=N -m gem_train.cli train --config tiny-cpu ...`` (one
-train row per step), then ``same_batches_losses`` of ``tests/one_process_reference.py`` in this process (it
-follows the overrides: each rank's balanced stream, the global balancer's partition, 2D tables' replica
+train row per step), then ``same_batches_losses`` of ``benchmarks/one_process_reference.py`` in this process
+(it follows the overrides: each rank's balanced stream, the global balancer's partition, 2D tables' replica
 averaging), prints a table, writes ``DIR/parallel_curve.json`` and the plot ``DIR/loss_curve.png``.
 """
 
@@ -25,12 +25,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from one_process_reference import same_batches_losses
 
 from gem_train.config import load_config
-
-# The one-process oracle of the parity tests (test code: loaded from its file, never installed).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from one_process_reference import same_batches_losses
 
 SMALL = [
     "data.batch_size=16", "data.eval_batch_size=128", "data.synthetic.eval_examples=512",
@@ -84,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "k-",
         lw=3,
         alpha=0.35,
-        label="1 process, the same batches (tests/one_process_reference.py)",
+        label="1 process, the same batches (benchmarks/one_process_reference.py)",
     )
     layout = " ".join(o.removeprefix("parallel.") for o in a.overrides)
     label = "\n".join(textwrap.wrap(f"{a.nproc} processes: {layout}", 70))

@@ -50,11 +50,10 @@ def _torch_run(config: str, overrides: list[str], out: Path) -> dict[str, Any]:
 
 def _gbdt_run(config: str, overrides: list[str]) -> dict[str, Any]:
     from gem_train.config import load_config
-    from gem_train.evaluation.baselines.gbdt import run_gbdt
-    from gem_train.loop.build import build_source
+    from gem_train.evaluation.baselines.gbdt import build_gbdt_source, run_gbdt
 
     cfg = load_config(config, overrides)
-    res = run_gbdt(cfg, build_source(cfg))
+    res = run_gbdt(cfg, build_gbdt_source(cfg))
     task = cfg.train.select_task if cfg.train.select_task in res.test else next(iter(res.test))
     m = res.test[task]
     return {"ne": m.ne, "auc": m.auc, "valid_ne": res.valid[task].ne, "params": res.params[task],

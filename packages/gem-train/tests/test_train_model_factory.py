@@ -70,3 +70,22 @@ def test_precision_recipe_converts_linears_and_keeps_parameter_names():
     loss, _ = multitask_loss(conv(batch), batch)
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_baseline_dropout_acts_in_training_only():
+    cfg, ds = _setup("model.arch=mlp", "model.baseline.dropout=0.5")
+    mlp = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0).model
+    assert sum(isinstance(m, torch.nn.Dropout) for m in mlp.modules()) == len(cfg.model.baseline.hidden)
+    batch = ds.make_batch("train", 0, 16).batch
+    mlp.eval()
+    a, b = mlp(batch)["ctr"], mlp(batch)["ctr"]
+    assert torch.equal(a, b)  # no dropout at evaluation
+    mlp.train()
+    assert not torch.equal(mlp(batch)["ctr"], a)
+    # Without dropout the layers (and a checkpoint's parameter names) are the ones before the option.
+    cfg, ds = _setup("model.arch=mlp")
+    plain = build_model(cfg.model, ds.spec, torch.device("cpu"), seed=0).model
+    assert not any(isinstance(m, torch.nn.Dropout) for m in plain.modules())
+    assert [k for k in plain.state_dict() if k.startswith("mlp.")] == [
+        "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias", "mlp.4.weight", "mlp.4.bias",
+    ]  # fmt: skip

@@ -4,7 +4,7 @@ tables (sharding groups of 2, 2 replicas) and Base Batch Shuffling.
 One 4-process launch (start-up dominates, so it does several things):
 - an uninterrupted run; its loss curve is compared below with one process on the same batches (each
   rank's balanced stream rebuilt in the one process, gradient accumulation over the 4 ranks' batches, the
-  2D tables' per-replica updates averaged: ``tests/one_process_reference.py``);
+  2D tables' per-replica updates averaged: ``benchmarks/one_process_reference.py``);
 - a run SIGTERMed on one rank: every rank stops after the same step and checkpoints; resuming it on the
   same 4 processes gives bit-identical losses;
 - distributed evaluation of one checkpoint (a plain model on every rank) equals the single-process one.
@@ -35,7 +35,7 @@ from gem_train.loop.build import build_run
 from gem_train.loop.step import BuiltRun
 from gem_train.loop.trainer import Trainer
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))  # the one-process oracle
 from one_process_reference import same_batches_losses
 
 STEPS = 30

@@ -1,5 +1,12 @@
 """Persistent autotuning: the choices of ``triton.autotune`` and of the attention variant, kept on disk.
 
+This is gem-kernels' one tuning cache: every autotuner of the package is built by :func:`autotune` and every
+``auto`` variant choice goes through :func:`choose` (tests/test_tune_cache.py checks that no other
+``triton.autotune`` exists). Nothing here relies on Triton's own ``cache_results``, and switching it on for
+these autotuners adds nothing: a cached bucket is pruned to its one config before Triton would consult its
+own file. (The compiled binaries are Triton's kernel cache, ``TRITON_CACHE_DIR``: a compile cache, not a
+tuning cache.)
+
 Without it every new process re-times every candidate of every new shape bucket (20-40 s per bucket on
 the H200). With it the first process times once and writes its choice; later processes, on the same
 device and Triton with the same kernel source, read the choice and time nothing.

@@ -6,8 +6,10 @@ torchrec's import with an undefined symbol or a missing library. :func:`import_s
 and raises an ``ImportError`` naming the installed versions and the extra that installs a matched set. The
 success path is the plain import, so it adds nothing to import time; the diagnosis runs only on failure.
 
-Importing this module runs the check for the package it belongs to. gem-parallel carries the same file
-(its layering forbids importing gem-model); ``tests/test_release.py`` keeps the two identical.
+Importing this module runs the check for the package it belongs to. A documented copy: gem-model and
+gem-parallel each carry this file, byte for byte (each installs alone, and gem-parallel may not import
+gem-model: tools/check_layers.py); tools/check_release.py and tests/test_copied_modules.py at the
+workspace root fail when the copies drift.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ from gem_precision.activations import compress_saved_activations
 from gem_precision.convert import convert, default_skip
 from gem_precision.dispatch import get_backend, use_backend
 from gem_precision.linear import MXFP8Linear
-from gem_precision.mx import mx_mm, random_hadamard, to_mx
-from gem_precision.mx_tensor import MXTensor
+from gem_precision.mx import MXTensor, mx_mm, random_hadamard, to_mx
 from gem_precision.recipe import Recipe
 from gem_precision.rowwise import (
     fp8_rowwise_dgrad_wgrad,

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gem_precision.mx import to_mx
-from gem_precision.mx_tensor import MXTensor
+from gem_precision.mx import MXTensor, to_mx
 from gem_precision.rowwise import quantize_rowwise
 
 _COMPRESSIBLE = (torch.float32, torch.bfloat16, torch.float16)

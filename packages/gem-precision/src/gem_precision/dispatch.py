@@ -1,10 +1,14 @@
 """Backend choice for every op of gem_precision: the Triton kernel or the PyTorch path.
 
-The same design as ``gem_kernels.dispatch`` (gem_precision may not import gem_kernels, see
-tools/check_layers.py, so each package holds its own copy of this small module): ``auto`` (the default)
-runs Triton on CUDA tensors and PyTorch elsewhere; ``GEM_PRECISION_BACKEND``, :func:`use_backend` or an
-op's ``backend=`` argument force one. Under ``TRITON_INTERPRET=1`` a forced ``triton`` also runs on CPU
-tensors (slowly), which is how CI tests the kernels.
+``auto`` (the default) runs Triton on CUDA tensors and PyTorch elsewhere; ``GEM_PRECISION_BACKEND``,
+:func:`use_backend`, or the ``backend=`` argument of an op that takes one, force one. Under
+``TRITON_INTERPRET=1`` a forced ``triton`` also runs on CPU tensors (slowly), which is how CI tests the
+kernels.
+
+A documented copy: gem-kernels and gem-precision each carry this module, identical but for the package's
+name and environment variable. Each package installs alone and neither may import the other
+(tools/check_layers.py), and a module this small is no package of its own; tests/test_copied_modules.py at
+the workspace root fails when the copies drift.
 """
 
 from __future__ import annotations

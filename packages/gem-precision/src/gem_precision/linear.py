@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem_precision.formats import check_float_tensor
-from gem_precision.mx import mx_mm, random_hadamard, to_mx
-from gem_precision.mx_tensor import MXTensor
+from gem_precision.mx import MXTensor, mx_mm, random_hadamard, to_mx
 from gem_precision.recipe import Recipe
 from gem_precision.rowwise import fp8_rowwise_dgrad_wgrad, fp8_rowwise_mm
 

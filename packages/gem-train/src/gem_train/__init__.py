@@ -9,7 +9,7 @@ The public face is small: a config (:class:`TrainConfig`, :func:`load_config`), 
 - :mod:`gem_train.loop`: the run builder, the step and its pipeline, the trainer, optimizers, signals,
   non-finite handling, prefetch, the translation of the config for gem-parallel;
 - :mod:`gem_train.checkpoint`: atomic, verified DCP checkpoints (layout, files, state, RNG, save, load);
-- :mod:`gem_train.evaluation`: evaluation, model selection, metrics, reports, plots, the baselines;
+- :mod:`gem_train.evaluation.evaluate`: evaluation, model selection, metrics, reports, plots, the baselines;
 - :mod:`gem_train.cli`: the ``gem-train`` command and ``gem-train launch``.
 
 Names are imported on first use (PEP 562), so ``import gem_train`` and ``gem-train --help`` load no torch.

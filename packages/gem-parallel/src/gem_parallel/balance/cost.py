@@ -9,7 +9,8 @@ Three models, one interface (:class:`CostModel`):
 - :class:`LinearCost`: ``L`` (linear layers, embeddings: work per token);
 - :class:`AttentionCost`: ``L**2`` (full self-attention);
 - :class:`MixCost`: ``a*L + b*L**2`` per sample and ``c`` per step, fitted to measured step times
-  (``benchmarks/calibrate_cost.py``) and stored as JSON. :func:`default_cost_file` is the shipped fit.
+  (gem-train's ``benchmarks/calibrate_cost.py``) and stored as JSON. :func:`default_cost_file` is the
+  shipped fit.
 """
 
 from __future__ import annotations

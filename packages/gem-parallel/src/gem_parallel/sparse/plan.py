@@ -7,7 +7,7 @@ it reads (table shapes, ``G``, the memory budget) is the same on every rank, so 
 plan without talking; :func:`check_plans_agree` then verifies that with one small all-gather.
 
 Memory counted per table row: the fp32 weights (``dim x 4`` bytes) and the row-wise Adagrad accumulator
-(4 bytes): what :mod:`gem_parallel.sparse.memory` models.
+(4 bytes): what the memory model of ``benchmarks/sparse_memory_model.py`` counts.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The ``gem-train`` console script.
 
     gem-train                                  train the tiny model on synthetic data on the CPU (tiny-cpu)
-    gem-train train [--config C] [--resume CKPT|RUN|latest] [key=value ...]
+    gem-train train [--config C] [--resume CKPT|RUN|latest [--allow-change KEY ...]] [key=value ...]
     gem-train eval --checkpoint CKPT [--split test|valid] [--batches N] [key=value ...]
     gem-train bench [--config C] [--steps N] [--warmup N] [key=value ...]
     gem-train predict --checkpoint CKPT --out DIR [--split S|all] [--embeddings] [key=value ...]
@@ -60,6 +60,15 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model")
     t.add_argument("--config", default=None, help=cfg_help + "; default tiny-cpu, or the checkpoint's")
     t.add_argument("--resume", default=None, help="a checkpoint dir, a run dir (its newest), or 'latest'")
+    t.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="with --resume: a setting (dotted key, or a prefix such as data.parquet) that may differ from "
+        "the checkpoint's run although it changes what the run means; repeat for several (anything else "
+        "that differs is refused)",
+    )
     t.add_argument("overrides", nargs="*", help=ov_help)
 
     b = sub.add_parser("baseline", help="a baseline on the same data and split: the plain MLP or GBDT")
@@ -69,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("mlp", "gbdt"),
         default="mlp",
         help="mlp: the plain MLP (model.arch=mlp, trained like GEM); gbdt: gradient-boosted trees on causal "
-        "features (scikit-learn, the gbdt extra), trees chosen on validation",
+        "features (model.gbdt.library, XGBoost by default: the gbdt extra), trees chosen on validation",
     )
     b.add_argument("overrides", nargs="*", help=ov_help)
 
@@ -139,11 +148,11 @@ def _checkpoint_config(ckpt: Path, overrides: list[str]) -> tuple[TrainConfig, P
     return cfg, ckpt
 
 
-def _train(cfg: TrainConfig, resume: str | None) -> int:
+def _train(cfg: TrainConfig, resume: str | None, allow_changes: list[str] | None = None) -> int:
     from gem_train.cli.launch import write_worker_status
     from gem_train.loop.trainer import Trainer
 
-    trainer = Trainer(cfg, resume=resume)
+    trainer = Trainer(cfg, resume=resume, allow_changes=allow_changes or ())
     if trainer.dist.is_main:
         print(f"gem-train: run directory {trainer.run_dir.root}", file=sys.stderr)
     result = trainer.fit()
@@ -168,11 +177,10 @@ def _train(cfg: TrainConfig, resume: str | None) -> int:
 
 
 def _gbdt(cfg: TrainConfig) -> int:
-    from gem_train.evaluation.baselines.gbdt import run_gbdt, write_gbdt_result
-    from gem_train.loop.build import build_source
+    from gem_train.evaluation.baselines.gbdt import build_gbdt_source, run_gbdt, write_gbdt_result
     from gem_train.loop.run_dir import create_run_dir
 
-    source = build_source(cfg)
+    source = build_gbdt_source(cfg)
     result = run_gbdt(cfg, source)
     run = create_run_dir(cfg.run.out_dir, f"{cfg.run.name}-gbdt")
     path = write_gbdt_result(result, run.root)
@@ -316,11 +324,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             return _train(load_config("tiny-cpu"), None)
         if args.command == "train":
-            if args.resume and args.config is None and args.resume != "latest":
-                cfg, _ = _checkpoint_config(Path(args.resume), args.overrides)
+            if args.allow_change and not args.resume:
+                raise ConfigError("--allow-change names what a resume may change: it needs --resume")
+            if args.resume and args.config is None:  # the checkpoint's own config (plus the overrides)
+                target = args.resume
+                if target == "latest":  # the newest run of the name (tiny-cpu's, or run.name=...)
+                    from gem_train.loop.run_dir import pick_latest
+
+                    base = load_config(None, args.overrides)
+                    target = pick_latest(base.run.name, base.run.out_dir)[0]
+                cfg, _ = _checkpoint_config(Path(target), args.overrides)
             else:
                 cfg = load_config(args.config, args.overrides)
-            return _train(cfg, args.resume)
+            return _train(cfg, args.resume, args.allow_change)
         if args.command == "baseline" and args.model == "gbdt":
             return _gbdt(load_config(args.config, args.overrides))
         if args.command == "baseline":

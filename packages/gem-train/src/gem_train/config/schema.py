@@ -20,6 +20,7 @@ from gem_train.config.checks import int_in as _int_in
 from gem_train.config.checks import real as _real
 from gem_train.config.data import DataConfig
 from gem_train.config.distill import DistillConfig
+from gem_train.config.gbdt import GbdtConfig
 from gem_train.config.parallel import ParallelSection
 
 __all__ = [
@@ -73,9 +74,11 @@ class BaselineConfig:
 
     embedding_dim: int = 16
     hidden: list[int] = field(default_factory=lambda: [128, 64])  # [] = logistic regression
+    dropout: float = 0.0  # after each hidden layer (training only)
 
     def validate(self, key: str = "model.baseline") -> None:
         _int_in(f"{key}.embedding_dim", self.embedding_dim, 1)
+        _real(f"{key}.dropout", self.dropout, 0.0, 1.0, hi_open=True)
         for i, h in enumerate(self.hidden):
             _int_in(f"{key}.hidden[{i}]", h, 1)
 
@@ -92,6 +95,7 @@ class ModelSection:
     name: str = "tiny"
     overrides: dict[str, Any] = field(default_factory=dict)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
+    gbdt: GbdtConfig = field(default_factory=GbdtConfig)  # gem-train baseline --model gbdt
 
     def validate(self, key: str = "model") -> None:
         # The name and the overrides belong to gem-model: checked against it when the run is built
@@ -99,6 +103,7 @@ class ModelSection:
         if not self.name:
             raise ConfigError(f"{key}.name must name a gem-model config (e.g. 'tiny'), got ''")
         self.baseline.validate(f"{key}.baseline")
+        self.gbdt.validate(f"{key}.gbdt")
 
 
 @dataclass

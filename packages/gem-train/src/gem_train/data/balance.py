@@ -197,7 +197,7 @@ def balanced_stream(
     carry: Sequence[Sample] = (), num_workers: int = 0, pin: bool = False,
 ) -> BalancedTrainStream:  # fmt: skip
     """Rank ``rank``'s balanced stream of ``source`` (a ``BatchSource``): the trainer's and the one-process
-    reference's (``tests/one_process_reference.py``). ``seed``: the run's; each rank's shuffler gets its
+    reference's (``benchmarks/one_process_reference.py``). ``seed``: the run's; each rank's shuffler gets its
     own."""
     from gem_train.data.loader import make_train_loader
 

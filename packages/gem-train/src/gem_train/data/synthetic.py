@@ -23,7 +23,8 @@ depends on the worker or process generating them, which makes the stream resumab
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -179,6 +180,11 @@ class SyntheticAds:
             tasks=("ctr", "cvr"),
         )
         self._build_world()
+
+    def data_identity(self) -> dict[str, Any]:
+        """The data is a pure function of the generator's settings and the seed: they are its identity
+        (:mod:`gem_train.data.identity`); there is no content beyond them to compare."""
+        return {"source": "synthetic", "settings": {"seed": self.seed, **asdict(self.cfg)}, "content": {}}
 
     # ------------------------------------------------------------------------------------------------------
     # The hidden world

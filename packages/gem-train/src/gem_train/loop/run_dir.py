@@ -3,7 +3,9 @@
 Layout::
 
     <run.out_dir>/<run.name>-<UTC yyyymmdd-HHMMSS>/
-        config.toml          the resolved config (overrides applied); `gem-train train --config` re-runs it
+        config.toml          the resolved config the run started with (overrides applied); `gem-train train
+                             --config` re-runs it; a resume never rewrites it
+        config_history.jsonl the start and every resume: config, changes, data identity (loop.run_history)
         metrics.jsonl  one JSON row per line: {"step", "split": "train"|"valid"|"test"|"best_test", ...}
         tensorboard/         TensorBoard event files (`tensorboard --logdir <run dir>/tensorboard`)
         checkpoints/step_<N>/  torch.distributed.checkpoint snapshots (see gem_train.checkpoint)
@@ -24,7 +26,7 @@ from gem_train.checkpoint import latest_checkpoint, resolve_checkpoint
 from gem_train.config import TrainConfig, config_to_dict, dumps_toml
 from gem_train.loop.distributed import DistInfo
 
-__all__ = ["RunDir", "create_run_dir", "resolve_resume", "shared_run_dir"]
+__all__ = ["RunDir", "create_run_dir", "pick_latest", "resolve_resume", "shared_run_dir"]
 
 
 @dataclass(frozen=True)
@@ -81,20 +83,35 @@ def resolve_resume(resume: str | Path, name: str, out_dir: str | Path) -> Path:
     Raises FileNotFoundError naming what is missing.
     """
     if str(resume) == "latest":
-        # <name>-<yyyymmdd>-<HHMMSS>[-k] only: "tiny-cpu-*" must not match "tiny-cpu-baseline-*".
-        pat = re.compile(re.escape(name) + r"-\d{8}-\d{6}(-\d+)?$")
-        runs = sorted(p for p in Path(out_dir).glob(f"{name}-*") if pat.match(p.name))
-        for r in reversed(runs):
-            ck = latest_checkpoint(r / "checkpoints")
-            if ck is not None:
-                return ck
-        raise FileNotFoundError(f"no checkpoint of a run named {name!r} under {out_dir}")
+        return pick_latest(name, out_dir)[0]
     return resolve_checkpoint(resume)
+
+
+def pick_latest(name: str, out_dir: str | Path) -> tuple[Path, str]:
+    """``--resume latest``: the newest complete checkpoint of the newest run named ``name`` under
+    ``out_dir`` that has one, and a sentence saying which run that is and why.
+
+    Raises FileNotFoundError naming what is missing.
+    """
+    # <name>-<yyyymmdd>-<HHMMSS>[-k] only: "tiny-cpu-*" must not match "tiny-cpu-baseline-*".
+    pat = re.compile(re.escape(name) + r"-\d{8}-\d{6}(-\d+)?$")
+    runs = sorted(p for p in Path(out_dir).glob(f"{name}-*") if pat.match(p.name))
+    for i, r in enumerate(reversed(runs)):
+        ck = latest_checkpoint(r / "checkpoints")
+        if ck is not None:
+            newer = f", {i} newer without one" if i else ""
+            note = (
+                f"--resume latest: {r.name} is the newest run named {name!r} under {out_dir} with a complete "
+                f"checkpoint ({ck.name}); {len(runs) - 1} other run(s) of that name{newer}"
+            )
+            return ck, note
+    raise FileNotFoundError(f"no checkpoint of a run named {name!r} under {out_dir}")
 
 
 def shared_run_dir(cfg: TrainConfig, resume_from: Path | None, d: DistInfo) -> RunDir:
     """The run directory of every rank: rank 0 creates it (or reuses the resumed run's, the one holding
-    checkpoint ``resume_from``), makes its folders and writes config.toml; every rank learns the path."""
+    checkpoint ``resume_from``), makes its folders and writes config.toml (a new run only); every rank
+    learns the path."""
     root: list[str | None] = [str(resume_from.parent.parent)] if resume_from else [None]
     if d.is_main and root[0] is None:
         root[0] = str(create_run_dir(cfg.run.out_dir, cfg.run.name).root)
@@ -104,5 +121,6 @@ def shared_run_dir(cfg: TrainConfig, resume_from: Path | None, d: DistInfo) -> R
     run = RunDir(Path(root[0]))
     if d.is_main:
         run.make()
-        run.config.write_text(dumps_toml(config_to_dict(cfg)), encoding="utf-8")
+        if resume_from is None:  # a resumed run keeps its first config (gem_train.loop.run_history)
+            run.config.write_text(dumps_toml(config_to_dict(cfg)), encoding="utf-8")
     return run

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,16 +26,22 @@ import torch
 from tqdm.auto import tqdm
 
 from gem_model import GemBatch
-from gem_train.checkpoint import best_checkpoint, load_checkpoint, wait_for_checkpoints
+from gem_train.checkpoint import (
+    best_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    wait_for_checkpoints,
+)
 from gem_train.checkpoint.keeper import (
     CheckpointKeeper,
     data_position,
     data_stream_state,
     reshard_note,
 )
-from gem_train.config import TrainConfig, config_to_dict
+from gem_train.config import ConfigError, TrainConfig, config_to_dict
 from gem_train.data.balance import BalancedTrainStream
 from gem_train.data.balance_state import BalancerPosition, balancer_extra, resume_balancer
+from gem_train.data.identity import data_identity
 from gem_train.data.split import HeldOutSplit
 from gem_train.data.train_stream import train_stream
 from gem_train.evaluation.evaluate import EvalResult, EvaluationInterrupted, evaluate_model
@@ -45,7 +51,14 @@ from gem_train.loop.build import build_run
 from gem_train.loop.metrics_log import MetricsLogger, truncate_metrics
 from gem_train.loop.non_finite import NonFiniteLossError, handle_non_finite, step_is_boundary
 from gem_train.loop.prefetch import DevicePrefetcher
-from gem_train.loop.run_dir import resolve_resume, shared_run_dir
+from gem_train.loop.resume_check import (
+    ResumePlan,
+    check_resume,
+    optimizer_settings,
+    restore_optimizer_settings,
+)
+from gem_train.loop.run_dir import pick_latest, resolve_resume, shared_run_dir
+from gem_train.loop.run_history import record_resume, record_start
 from gem_train.loop.signals import StopNow, StopSignals
 from gem_train.loop.step import BuiltRun, StepPipeline, StepResult
 from gem_train.loop.train_log import TrainWindow, log_train
@@ -75,14 +88,34 @@ class TrainResult:
 
 
 class Trainer:
-    """A training run of ``cfg``; ``resume``: a checkpoint, a run directory or "latest" to continue from."""
+    """A training run of ``cfg``; ``resume``: a checkpoint, a run directory or "latest" to continue from;
+    ``allow_changes``: the settings (dotted keys or prefixes) a resume may change although they change the
+    run's meaning (:mod:`gem_train.loop.resume_check`; anything else that differs is refused)."""
 
-    def __init__(self, cfg: TrainConfig, resume: str | Path | None = None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, resume: str | Path | None = None, allow_changes: Sequence[str] = ()
+    ) -> None:
         self.cfg = cfg
         resume = resume or cfg.checkpoint.resume_from or None
-        resume_from = resolve_resume(resume, cfg.run.name, cfg.run.out_dir) if resume else None
+        if allow_changes and not resume:
+            raise ConfigError("--allow-change names what a resume may change: it needs --resume")
+        resume_from, notes = None, []
+        if resume and str(resume) == "latest":
+            resume_from, note = pick_latest(cfg.run.name, cfg.run.out_dir)
+            notes.append(note)
+        elif resume:
+            resume_from = resolve_resume(resume, cfg.run.name, cfg.run.out_dir)
+        saved = read_trainer_state(resume_from) if resume_from is not None else None
         self.built_run: BuiltRun = build_run(cfg)  # everything that can reject the config, before the run dir
         self.dist, self.device, self.tasks = self.built_run.dist, self.built_run.device, self.built_run.tasks
+        self.data_identity = data_identity(self.built_run.source)  # in every checkpoint
+        plan: ResumePlan | None = None
+        if saved is not None and resume_from is not None:  # refused here, before anything is written
+            plan = check_resume(saved, cfg, self.data_identity, allow_changes, resume_from, notes)
+            if hasattr(self.built_run.source, "check_resume"):  # a streamed position needs the same layout
+                self.built_run.source.check_resume(
+                    saved, self.dist.world_size, cfg.data.num_workers, plan.new_train_data
+                )
 
         # The run directory: rank 0 creates it (or reuses the resumed run's), everyone learns the path.
         self.run_dir = shared_run_dir(cfg, resume_from, self.dist)
@@ -96,20 +129,28 @@ class Trainer:
         resharded = False
         if resume_from is not None:
             sparse = self.built_run.sparse
+            opts = self.optimizers + ([sparse.fused_optimizer] if sparse is not None else [])
+            fresh = optimizer_settings(opts)  # the config's (the load restores the checkpoint's)
             state = load_checkpoint(resume_from, self.model, self.optimizers, reshard=True, sparse=sparse)
-            if hasattr(self.built_run.source, "check_resume"):  # a streamed position needs the same layout
-                self.built_run.source.check_resume(state, self.dist.world_size, cfg.data.num_workers)
+            if plan is not None and plan.changes_optimizer:  # --allow-change optim...: the new ones apply
+                restore_optimizer_settings(opts, fresh)
             self.start_step = int(state["step"])
             self.skipped = int(state.get("skipped_batches", 0))
             self.data_offset = data_position(state)
             resharded = bool(state["resharded"])
             resume_balancer(self.balancer, state, cfg, self.dist)
             if self.dist.is_main:
+                assert plan is not None  # made above for every resume
+                print(plan.message(), file=sys.stderr)  # also without a progress bar
+                record_resume(self.run_dir.root, plan, cfg, self.data_identity, state.get("data_identity"),
+                              self.dist.world_size)  # fmt: skip
                 truncate_metrics(self.run_dir.metrics, self.start_step)
             if resharded and self.dist.is_main:
                 # With the balancer the plain stream restarts at its base (its carry was said above).
                 where = self.balancer.base if self.balancer.base is not None else self.data_offset
                 print(f"gem-train: {reshard_note(state, self.dist.world_size, where)}", file=sys.stderr)
+        elif self.dist.is_main:
+            record_start(self.run_dir.root, cfg, self.data_identity, self.dist.world_size)
         resumed_step = self.start_step if resume_from is not None else None
         self.selection = BestSelection(self.built_run, self.run_dir.checkpoints, resumed_step)
         # Dropout etc. differ per rank (the same seed would correlate them across ranks).
@@ -151,6 +192,7 @@ class Trainer:
     def _extra(self, step: int) -> dict[str, Any]:
         return {
             "config": config_to_dict(self.cfg),
+            "data_identity": self.data_identity,
             "data_position": self.global_batches(step),
             "data_position_unit": "global_batches",
             "skipped_batches": self.skipped,

@@ -39,6 +39,10 @@ Features (only from the past or from static attributes, so nothing leaks the lab
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import asdict
+from typing import Any
+
 import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -47,6 +51,7 @@ from gem_model import FeatureSpec, GemBatch, JaggedSequence, SequenceFeature, Sp
 from gem_train.config import MovieLensConfig
 from gem_train.data.loader import LoadedBatch
 from gem_train.data.movielens.files import (
+    FILE_SHA256,
     MAX_GENRES,
     MAX_TIMESTAMP,
     N_ZIP,
@@ -76,8 +81,11 @@ class MovieLens100K:
     def __init__(self, cfg: MovieLensConfig, seed: int = 0, events: MovieLensEvents | None = None) -> None:
         self.cfg = cfg
         self.seed = int(seed)
+        # The files' sha256 (checked when fetched), or None for events given directly.
+        self.files_sha256: dict[str, str] | None = None
         if events is None:
             events = read_movielens_100k(fetch_movielens_100k(cfg.cache_dir or None), cfg.max_users)
+            self.files_sha256 = dict(FILE_SHA256)
         self.ev = ev = events
         n = len(ev.user)
         if n == 0:
@@ -132,6 +140,22 @@ class MovieLens100K:
             ),
             tasks=("ctr",),
         )
+
+    def data_identity(self) -> dict[str, Any]:
+        """The sha256 of the three files (known: :func:`fetch_movielens_100k` refuses any other), of the
+        events and attributes parsed from them (after ``max_users``), and the rows of each split
+        (:mod:`gem_train.data.identity`)."""
+        ev, h = self.ev, hashlib.sha256()
+        for a in (ev.user, ev.item, ev.rating, ev.timestamp, ev.user_age, ev.user_gender,
+                  ev.user_occupation, ev.user_zip, ev.item_year):  # fmt: skip
+            h.update(np.ascontiguousarray(a, dtype="<i8").tobytes())
+        h.update(repr(ev.item_genres).encode())
+        rows = {"train": len(self.train_rows), "valid": len(self.valid_rows), "test": len(self.eval_rows)}
+        return {
+            "source": "movielens-100k",
+            "settings": asdict(self.cfg),
+            "content": {"files": self.files_sha256, "events_sha256": h.hexdigest(), "rows": rows},
+        }
 
     # BatchSource -------------------------------------------------------------------------------------------
 

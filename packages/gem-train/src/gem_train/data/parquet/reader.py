@@ -270,8 +270,19 @@ class ParquetSource:
         return {"format": "parquet", "shuffle": self.cfg.shuffle, "world_size": world_size,
                 "num_workers": max(1, num_workers), "train_rows": self.rows("train")}  # fmt: skip
 
-    def check_resume(self, state: dict[str, Any], world_size: int, num_workers: int) -> None:
+    def data_identity(self) -> dict[str, Any]:
+        """Every split's files (resolved paths, sizes, rows, footer digests), the vocabulary files and the
+        columns read: :func:`gem_train.data.parquet.identity.parquet_identity`."""
+        from gem_train.data.parquet.identity import parquet_identity
+
+        return parquet_identity(self)
+
+    def check_resume(
+        self, state: dict[str, Any], world_size: int, num_workers: int, new_train_data: bool = False
+    ) -> None:
         """Refuse to resume a streamed position under a different layout (it would be another stream).
+        ``new_train_data``: the training files differ by an allowed change (``--allow-change``), so their
+        row count may too (the stream then goes on at the same position over the new rows).
 
         Raises:
             ConfigError: world size, number of workers or the training rows differ from the checkpoint's.
@@ -280,7 +291,10 @@ class ParquetSource:
         if not isinstance(saved, dict) or self.cfg.shuffle == "global":
             return  # random access: the position is one batch index whatever the layout
         now = self.stream_state(world_size, num_workers)
-        diff = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
+        skip = {"train_rows"} if new_train_data else set()
+        diff = [
+            f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k] and k not in skip
+        ]
         if diff:
             from gem_train.config import ConfigError
 

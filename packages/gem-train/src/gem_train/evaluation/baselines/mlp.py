@@ -2,8 +2,8 @@
 
 Every sparse feature is one mean-pooled embedding (``nn.EmbeddingBag``); the history is a mean-pooled item
 embedding plus a mean-pooled action embedding (no order, no attention, no time); dense features go in as they
-are. The concatenation feeds an MLP with one logit per task. With ``hidden = []`` it is a logistic regression
-over the pooled embeddings and dense features.
+are. The concatenation feeds an MLP with one logit per task (``dropout`` after each hidden layer). With
+``hidden = []`` it is a logistic regression over the pooled embeddings and dense features.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class BaselineMLP(nn.Module):
         layers: list[nn.Module] = []
         for h in cfg.hidden:
             layers += [nn.Linear(width, h), nn.ReLU()]
+            if cfg.dropout > 0:
+                layers.append(nn.Dropout(cfg.dropout))
             width = h
         layers.append(nn.Linear(width, len(spec.tasks)))
         self.mlp = nn.Sequential(*layers)

@@ -1,0 +1,287 @@
+"""Vectorized PyTorch path for jagged softmax attention and GDPA, forward and backward (the CPU path).
+
+Same semantics as the per-sequence loops in :mod:`gem_kernels.attention.reference` (which stay the
+oracle), but without a Python loop over the batch: the sequences are grouped into buckets by their query and
+key lengths (:data:`BUCKETS_PER_OCTAVE` buckets per doubling), each group is gathered into padded head-major
+``[H, G, Lq_max, D]`` / ``[H, G, Lk_max, D]`` tensors through index tensors, the masked scores ``[H, G,
+Lq_max, Lk_max]`` are computed by batched matmuls (mask = query valid & key valid & band), and the results are
+scattered back with ``index_copy_``. Within a bucket every length is more than ``2 ** (-1 /
+BUCKETS_PER_OCTAVE)`` of the padded one in each dimension, so the padded work stays within 2x of the valid
+work for 2 buckets per octave; a group whose score tensor would exceed :data:`SCORE_BUDGET` elements is split.
+The number of Python-level iterations is the number of (bucket, chunk) groups: at most ``(2 log2(max_q_len) +
+1) * (2 log2(max_kv_len) + 1)`` buckets, independent of the batch size ``B``.
+
+Compute is fp32 (fp64 for fp64 inputs); outputs take the input dtypes, the LSE is fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
+
+import torch
+
+from gem_kernels.attention.activations import act_grad, act_value
+from gem_kernels.attention.reference import SOFTMAX, compute_dtype
+
+# Largest G * H * Lq_max * Lk_max of one group's score tensor (2**26 fp32 elements = 256 MiB); several
+# such temporaries live at once in the backward, so this bounds its peak memory to about 1 GiB. A single
+# sequence longer than the budget still forms its own group (as in the per-sequence loop).
+SCORE_BUDGET = 2**26
+# Buckets per doubling of the length: 2 keeps each dimension's padding under 1.42x (the padded area under
+# 2x) for about twice the groups of power-of-two buckets. Timed at the tiny-model shape (B=256, H=2, D=32,
+# causal, fwd+bwd, 1 thread): 1 -> 31 ms, 2 -> 27, 3 -> 26, 4 -> 26, 8 -> 31 (more groups, more overhead).
+BUCKETS_PER_OCTAVE = 2
+# Upper bounds of the buckets: floor(2 ** (e / BUCKETS_PER_OCTAVE)), deduplicated, up to 2**62.
+_BUCKET_BOUNDS = torch.tensor(
+    sorted({int(2 ** (e / BUCKETS_PER_OCTAVE)) for e in range(62 * BUCKETS_PER_OCTAVE)})
+)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _without_autocast(
+    fn: Callable[Concatenate[torch.Tensor, P], R],
+) -> Callable[Concatenate[torch.Tensor, P], R]:
+    """Run ``fn`` with autocast off on its first argument's device: this path computes in fp32 (fp64) by
+    contract, and an enclosing ``torch.autocast`` would otherwise turn its matmuls into bf16 ones."""
+
+    @functools.wraps(fn)
+    def wrapper(first: torch.Tensor, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with torch.autocast(first.device.type, enabled=False):
+            return fn(first, *args, **kwargs)
+
+    return wrapper
+
+
+@dataclass
+class _Group:
+    """One padded group of ``G`` sequences; every tensor is on the data's device.
+
+    ``q_idx`` ``[G * Lq]`` / ``k_idx`` ``[G * Lk]`` (row-major over ``[G, L]``) index rows of the padded
+    flat tensors; padding positions point at the extra zero row appended at the end. ``masked_out``
+    ``[G, Lq, Lk]`` is True where key ``j`` is NOT visible from query ``i`` (padding or outside the band)."""
+
+    size: int
+    lq: int
+    lk: int
+    q_idx: torch.Tensor
+    k_idx: torch.Tensor
+    masked_out: torch.Tensor
+
+
+def _bucket_ids(n: torch.Tensor) -> torch.Tensor:
+    """Bucket of each length ``n >= 1`` (int64): lengths in one bucket are within a factor
+    ``2 ** (1 / BUCKETS_PER_OCTAVE)`` of the bucket's largest, so padding stays bounded. Exact integers."""
+    return torch.searchsorted(_BUCKET_BOUNDS, n)
+
+
+def _buckets(lq: torch.Tensor, lk: torch.Tensor, heads: int) -> Iterator[torch.Tensor]:
+    """Yield int64 CPU tensors of sequence ids, one per group (sequences with ``Lq == 0`` or ``Lk == 0``
+    are left out: their outputs and gradients are 0). Iterates once per (bucket, chunk)."""
+    active = torch.nonzero((lq > 0) & (lk > 0)).flatten()
+    if active.numel() == 0:
+        return
+    key = _bucket_ids(lq[active]) * _BUCKET_BOUNDS.numel() + _bucket_ids(lk[active])
+    _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+    order = active[torch.argsort(inverse, stable=True)]
+    for members in torch.split(order, counts.tolist()):
+        per_seq = heads * int(lq[members].max()) * int(lk[members].max())
+        yield from torch.split(members, max(1, SCORE_BUDGET // per_seq))
+
+
+def _group(
+    members: torch.Tensor,
+    q_start: torch.Tensor,
+    k_start: torch.Tensor,
+    lq: torch.Tensor,
+    lk: torch.Tensor,
+    pad_q: int,
+    pad_k: int,
+    left: int,
+    right: int,
+    device: torch.device,
+) -> _Group:
+    """Index tensors and mask of the sequences ``members`` (int64 CPU ``[G]``)."""
+    lqg, lkg = lq[members], lk[members]
+    iq = torch.arange(int(lqg.max()))
+    ik = torch.arange(int(lkg.max()))
+    q_valid = iq[None, :] < lqg[:, None]  # [G, Lq]
+    k_valid = ik[None, :] < lkg[:, None]  # [G, Lk]
+    q_idx = torch.where(q_valid, q_start[members][:, None] + iq[None, :], pad_q)
+    k_idx = torch.where(k_valid, k_start[members][:, None] + ik[None, :], pad_k)
+    band = torch.ones(iq.numel(), ik.numel(), dtype=torch.bool)
+    if left >= 0:
+        band &= ik[None, :] >= iq[:, None] - left
+    if right >= 0:
+        band &= ik[None, :] <= iq[:, None] + right
+    visible = q_valid[:, :, None] & k_valid[:, None, :] & band  # [G, Lq, Lk]
+    return _Group(
+        members.numel(),
+        iq.numel(),
+        ik.numel(),
+        q_idx.flatten().to(device),
+        k_idx.flatten().to(device),
+        (~visible).to(device),
+    )
+
+
+def _head_major(flat: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """``flat`` ``[N, H, D]`` -> ``[H, N + 1, D]`` in ``cdt``, the last row 0 (the target of padding indices).
+
+    Head-major once per call, so that each group's gather is a contiguous ``[H, G, L, D]`` batch for the
+    matmuls (no per-group transposes)."""
+    out = torch.zeros(flat.shape[1], flat.shape[0] + 1, flat.shape[2], dtype=cdt, device=flat.device)
+    out[:, :-1] = flat.transpose(0, 1)
+    return out
+
+
+def _gather(flat: torch.Tensor, idx: torch.Tensor, size: int) -> torch.Tensor:
+    """``flat`` ``[H, N+1, D]``, ``idx`` ``[G * L]`` -> ``[H, G, L, D]`` (contiguous)."""
+    # torch's Tensor.unflatten is unannotated (torch/_tensor.py).
+    out: torch.Tensor = flat.index_select(1, idx).unflatten(1, (size, -1))  # type: ignore[no-untyped-call]
+    return out
+
+
+def _scatter(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[:, idx[n]] = src[:, n]`` for ``dst`` ``[H, N+1, ...]`` and ``src`` ``[H, G, L, ...]``.
+
+    Segments never overlap, so each valid row is written once; all padding positions write the extra last
+    row, which is discarded."""
+    dst.index_copy_(1, idx, src.flatten(1, 2))
+
+
+def _flat(padded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[H, N+1, ...]`` head-major -> ``[N, H, ...]`` contiguous in ``dtype`` (the padding row dropped)."""
+    return padded[:, :-1].transpose(0, 1).contiguous().to(dtype)
+
+
+def _probs_(s: torch.Tensor, masked_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: ``s`` ``[H, G, Lq, Lk]`` scores -> masked softmax probabilities over the last dim (rows
+    with no visible key give 0), plus the log-sum-exp ``[H, G, Lq]`` (``-inf`` for those rows). The
+    arithmetic of :func:`gem_kernels.attention.reference._probs`, without temporaries of the scores'
+    size."""
+    s.masked_fill_(masked_out, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s.sub_(m).exp_()
+    denom = s.sum(dim=-1, keepdim=True)
+    lse = (m + torch.log(denom)).squeeze(-1)
+    s.div_(torch.where(denom == 0, torch.ones_like(denom), denom))
+    return s, lse
+
+
+def _segments(
+    q_offsets: torch.Tensor, kv_offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    qo = q_offsets.detach().to("cpu", torch.int64)
+    ko = kv_offsets.detach().to("cpu", torch.int64)
+    return qo[:-1], ko[:-1], qo[1:] - qo[:-1], ko[1:] - ko[:-1]
+
+
+@_without_autocast
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    activation: str,
+    left: int,
+    right: int,
+    qk_scale: float,
+    out_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectorized forward; the contract of :func:`gem_kernels.attention.reference.attention_fwd`.
+
+    Args:
+        q: ``[total_q, H, D]``; k: ``[total_kv, H, D]``; v: ``[total_kv, H, Dv]``; one floating dtype.
+        q_offsets, kv_offsets: ``[B+1]`` int32/int64 (any device).
+        activation: ``"softmax"`` or a GDPA activation name.
+        left, right: the visible band (``-1`` = unbounded).
+        qk_scale: multiplies ``q.k`` before the softmax/activation.
+        out_scale: multiplies the GDPA output (ignored for softmax).
+
+    Returns:
+        ``out`` ``[total_q, H, Dv]`` in q's dtype, and for softmax the log-sum-exp ``[total_q, H]`` fp32
+        (``-inf`` for rows with no visible key); for GDPA an empty fp32 tensor.
+    """
+    cdt = compute_dtype(q)
+    softmax = activation == SOFTMAX
+    heads = q.shape[1]
+    out = torch.zeros(heads, q.shape[0] + 1, v.shape[2], dtype=cdt, device=q.device)
+    lse = torch.full((heads, q.shape[0] + 1), float("-inf"), dtype=torch.float32, device=q.device)
+    q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
+    major: list[torch.Tensor] = []  # q, k, v head-major: converted once, only when some sequence attends
+    for members in _buckets(lq, lk, heads):
+        if not major:
+            major = [_head_major(t, cdt) for t in (q, k, v)]
+        qp, kp, vp = major
+        grp = _group(members, q_start, k_start, lq, lk, q.shape[0], k.shape[0], left, right, q.device)
+        qb = _gather(qp, grp.q_idx, grp.size)  # [H, G, Lq, D]
+        kb, vb = _gather(kp, grp.k_idx, grp.size), _gather(vp, grp.k_idx, grp.size)  # [H, G, Lk, D/Dv]
+        s = (qb @ kb.transpose(-1, -2)).mul_(qk_scale)  # [H, G, Lq, Lk]
+        if softmax:
+            p, lse_b = _probs_(s, grp.masked_out)
+            _scatter(lse, grp.q_idx, lse_b.float())
+            ob = p @ vb
+        else:
+            a = act_value(activation, s).masked_fill_(grp.masked_out, 0.0)
+            ob = (a @ vb).mul_(out_scale)
+        _scatter(out, grp.q_idx, ob)
+    lse = _flat(lse, torch.float32) if softmax else lse.new_empty(0)
+    return _flat(out, q.dtype), lse
+
+
+@_without_autocast
+def attention_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    activation: str,
+    left: int,
+    right: int,
+    qk_scale: float,
+    out_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Vectorized backward: ``(dq, dk, dv)`` in the dtypes of ``(q, k, v)``, recomputing the scores.
+
+    ``dout`` is ``[total_q, H, Dv]``; the other arguments are those of :func:`attention_fwd`. Softmax:
+    ``ds = p * (dp - rowsum(p * dp))``; GDPA: ``ds = mask * out_scale * dp * act'(s)``.
+    """
+    cdt = compute_dtype(q)
+    softmax = activation == SOFTMAX
+    heads = q.shape[1]
+    dq = torch.zeros(heads, q.shape[0] + 1, q.shape[2], dtype=cdt, device=q.device)
+    dk = torch.zeros(heads, k.shape[0] + 1, k.shape[2], dtype=cdt, device=q.device)
+    dv = torch.zeros(heads, v.shape[0] + 1, v.shape[2], dtype=cdt, device=q.device)
+    q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
+    major: list[torch.Tensor] = []  # q, k, v, dout head-major, converted once as in attention_fwd
+    for members in _buckets(lq, lk, heads):
+        if not major:
+            major = [_head_major(t, cdt) for t in (q, k, v, dout)]
+        qp, kp, vp, dop = major
+        grp = _group(members, q_start, k_start, lq, lk, q.shape[0], k.shape[0], left, right, q.device)
+        qb, dob = _gather(qp, grp.q_idx, grp.size), _gather(dop, grp.q_idx, grp.size)  # [H, G, Lq, D/Dv]
+        kb, vb = _gather(kp, grp.k_idx, grp.size), _gather(vp, grp.k_idx, grp.size)  # [H, G, Lk, D/Dv]
+        s = (qb @ kb.transpose(-1, -2)).mul_(qk_scale)  # [H, G, Lq, Lk]
+        dp = dob @ vb.transpose(-1, -2)  # [H, G, Lq, Lk]
+        if softmax:
+            p, _ = _probs_(s, grp.masked_out)
+            dvb = p.transpose(-1, -2) @ dob
+            ds = dp.sub_((p * dp).sum(dim=-1, keepdim=True)).mul_(p)
+        else:
+            a = act_value(activation, s).masked_fill_(grp.masked_out, 0.0)
+            dvb = (a.transpose(-1, -2) @ dob).mul_(out_scale)
+            ds = dp.mul_(out_scale).mul_(act_grad(activation, s)).masked_fill_(grp.masked_out, 0.0)
+        _scatter(dq, grp.q_idx, (ds @ kb).mul_(qk_scale))
+        _scatter(dk, grp.k_idx, (ds.transpose(-1, -2) @ qb).mul_(qk_scale))
+        _scatter(dv, grp.k_idx, dvb)
+    return _flat(dq, q.dtype), _flat(dk, k.dtype), _flat(dv, v.dtype)

@@ -1,1 +1,0 @@
-"""PyTorch paths of gem_kernels: the per-sequence reference oracles and the vectorized CPU paths."""

@@ -1,1 +1,0 @@
-"""PyTorch paths of gem_precision: the references (oracles of the Triton kernels) and the CPU paths."""
