@@ -343,6 +343,23 @@ def test_bad_teacher_inputs_are_one_line_errors(teacher, tmp_path, capsys, damag
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())  # no run directory
 
 
+def test_resume_refuses_other_teacher_predictions_unless_allowed(teacher, tmp_path, capsys):
+    """The student's data identity holds the teacher's (the predictions' manifest digest): predictions
+    rewritten under the same ``distill.teacher`` path are another run's data (issue 34's resume check)."""
+    out = _copy(teacher[1], tmp_path / "teacher")
+    args = ["train", "--config", "tiny-cpu", *_student_args(tmp_path, out), "distill.mode=aux"]
+    assert main(args) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    capsys.readouterr()
+    m = json.loads((out / "manifest.json").read_text())
+    m["step"] = int(m["step"]) + 1  # as if another teacher checkpoint had made them
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert main(["train", "--resume", str(run), "train.steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert "distill.teacher: the teacher's data" in err and "--allow-change distill.teacher" in err, err
+    assert main(["train", "--resume", str(run), "--allow-change", "distill.teacher", "train.steps=4"]) == 0
+
+
 def _student_args(tmp_path: Path, teacher_out: Path) -> list[str]:
     from transfer_fixtures import SMALL
 

@@ -16,6 +16,7 @@ Without ``[distill]`` the dataset is returned as it is.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from torch.utils.data import IterableDataset
 
 from gem_model import GemBatch
 from gem_train.config import ConfigError, TrainConfig
+from gem_train.data.identity import data_identity
 from gem_train.data.loader import BatchSource, LoadedBatch
 from gem_train.transfer.batch import with_teacher
 from gem_train.transfer.errors import TransferDataError
@@ -105,6 +107,23 @@ class DistillSource:
         if name.startswith("__") or "inner" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+    def data_identity(self) -> dict[str, Any]:
+        """``inner``'s data identity (:mod:`gem_train.data.identity`) plus the teacher's: the sha256 of the
+        predictions' manifest (it lists every shard with its size, the teacher checkpoint and its step) or of
+        the live teacher checkpoint's manifest, so that a resume refuses other teacher data under the same
+        ``distill.teacher`` path."""
+        identity = dict(data_identity(self.inner))
+        d, manifest = self.cfg.distill, None
+        if self.table is not None:
+            manifest = self.table.out / "manifest.json"
+        elif self.live is not None:
+            manifest = self.live.checkpoint / "manifest.json"
+        if manifest is not None:
+            key = "distill.teacher" if d.teacher else "distill.teacher_checkpoint"
+            digest = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None
+            identity["teacher"] = {"key": key, "manifest_sha256": digest}
+        return identity
 
     # -- BatchSource -----------------------------------------------------------------------------------------
 

@@ -183,7 +183,7 @@ class LiveTeacher:
         from gem_train.loop.distributed import DistInfo
         from gem_train.loop.run_dir import resolve_checkpoint
 
-        ckpt = resolve_checkpoint(Path(checkpoint))
+        ckpt = self.checkpoint = resolve_checkpoint(Path(checkpoint))
         tcfg = config_from_dict(TrainConfig, read_trainer_state(ckpt)["config"])
         self.device, self.tasks = device, tuple(spec.tasks)
         self.autocast = resolve_autocast(tcfg.train.autocast, device)
