@@ -94,7 +94,10 @@ def _train(config: str, overrides: list[str]) -> Any:
     from gem_train.config import load_config
     from gem_train.loop.trainer import Trainer
 
-    return Trainer(load_config(config, overrides)).fit()
+    res = Trainer(load_config(config, overrides)).fit()
+    if res.status == "interrupted":  # a signal: never cache a half-trained run as a result
+        raise SystemExit(f"interrupted at step {res.step} ({res.run_dir}): rerun to continue")
+    return res
 
 
 def _metrics(ev: Any) -> dict[str, dict[str, float]]:
@@ -214,7 +217,7 @@ def movielens(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     rows: dict[str, list[dict[str, Any]]] = {}
     for recipe, extra in recipes("movielens", 0).items():
         teach = [f"distill.teacher={preds}"] if extra else []
-        for seed in args.seeds:
+        for seed in args.movielens_seeds or args.seeds:
             over = [*base, "model.arch=mlp", *extra, *teach, f"run.seed={seed}",
                     f"run.out_dir={root / 'students'}", f"run.name=student-s{seed}"]  # fmt: skip
             rows.setdefault(recipe, []).append(
@@ -332,6 +335,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--suite", choices=("synthetic", "movielens", "all"), default="all")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--movielens-seeds", type=int, nargs="+", help="MovieLens students' (default: --seeds)")
     p.add_argument("--teacher", default="tiny", help="the synthetic teacher's gem-model config")
     p.add_argument("--teacher-steps", type=int, default=1000)
     p.add_argument("--student", choices=("mlp", "gem"), default="mlp")
