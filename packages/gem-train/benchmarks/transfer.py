@@ -320,8 +320,7 @@ def plot(summaries: dict[str, dict[str, Any]], path: Path) -> None:
         ax.axhline(teacher, color="C3", linestyle="--", label=f"teacher {teacher:.4f}")
         lo, hi = min(*means, teacher), max(*(m + d for m, d in zip(means, stds)), teacher)
         ax.set_ylim(lo - 0.15 * (hi - lo), hi + 0.1 * (hi - lo))
-        labels = [n.replace(" + ", "\n+ ").replace("+ ", "+\n", 1) for n in names]
-        ax.set_xticks(range(len(names)), labels, fontsize=7)
+        ax.set_xticks(range(len(names)), names, fontsize=7, rotation=30, ha="right")
         floor = f"; Bayes floor {s['floor']:.3f}" if s["floor"] else ""
         ax.set_title(f"{name}: student test CTR NE, mean ± std over seeds{floor}", fontsize=8)
         ax.legend(fontsize=7)
