@@ -83,11 +83,13 @@ def build_model_for(cfg: TrainConfig, spec: FeatureSpec, dist_info: DistInfo, *,
     (precision, compile, activation checkpointing, FSDP2/EP/sharded tables or DDP on several ranks) or, with
     ``training=False``, for evaluation (the precision recipe only, so its layers are the trained ones)."""
     from gem_parallel import parallelize
+    from gem_train.transfer.student import attach_student
 
     autocast_dtype = resolve_autocast(cfg.train.autocast, dist_info.device)
     built = build_model(cfg.model, spec, dist_info.device, cfg.run.seed)
     if cfg.data.normalize_dense and spec.n_dense:  # its buffers travel with the weights in checkpoints
         attach_dense_norm(built.model, spec.n_dense, dist_info.device)
+    attach_student(built.model, cfg.distill, tuple(spec.tasks))  # [distill]'s heads; nothing without
     plan = parallel_plan(cfg, dist_info.world_size, autocast_dtype, training=training)
     try:
         # In place (FSDP2 swaps classes; parameter names stay): built.model is the model of the checkpoints.
@@ -129,12 +131,16 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> BuiltRun:
         from gem_kernels import prewarm_triton
 
         prewarm_triton()  # Triton's per-process hash in the background while the data and model are built
+    from gem_train.transfer.losses import loss_for
+    from gem_train.transfer.source import transfer_source
+
     source = build_source(cfg)
     check_selection(cfg, source)
     # The loop runs by the resolved schedule (train.epochs -> steps, valid_every "auto" -> a number); the
     # user's config stays as written in the run directory and the checkpoints.
     schedule = resolve_schedule(cfg, source, d.world_size)
     cfg = scheduled_config(cfg, schedule)
+    source = transfer_source(cfg, source, d.device, training=training)  # [distill]'s data; as is without
     autocast_dtype = resolve_autocast(cfg.train.autocast, d.device)
     prepared = build_model_for(cfg, source.spec, d, training=training)
     model = prepared.built.model
@@ -154,4 +160,7 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> BuiltRun:
     # The GEM model names its no-decay parameters (learned tokens); the MLP baseline has none beyond 1-D.
     no_decay = list(model.no_weight_decay_parameters()) if isinstance(model, GemModel) else []
     optimizers = build_optimizers(dense, sparse, cfg.optim, no_decay)
-    return BuiltRun(cfg, d, source, prepared, optimizers, dense, autocast_dtype, peak, schedule=schedule)
+    loss_fn = loss_for(cfg.distill, tuple(source.spec.tasks))
+    return BuiltRun(
+        cfg, d, source, prepared, optimizers, dense, autocast_dtype, peak, loss_fn=loss_fn, schedule=schedule
+    )
