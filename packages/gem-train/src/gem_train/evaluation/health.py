@@ -262,9 +262,18 @@ def start_checks(run: BuiltRun, fresh: bool) -> list[tuple[str, str]]:
 
     cfg = run.cfg
     out: list[tuple[str, str]] = []
-    stats = measure_dense(cfg, run.source)
+    # The declared data's dense columns ([distill] wraps the dataset: its teacher is not read for this).
+    stats = measure_dense(cfg, getattr(run.source, "inner", run.source))
     if stats is not None:
         norm = getattr(run.model, "dense_norm", None)
+        if norm is not None and len(stats.mean) != run.source.spec.n_dense:
+            from gem_train.config import ConfigError
+
+            raise ConfigError(
+                "data.normalize_dense standardises the declared dense columns; with distill.embeddings the "
+                "model's dense input also holds the teacher's representations: set data.normalize_dense = "
+                "false (standardise the columns in the table instead)"
+            )
         if norm is not None and fresh:
             norm.set_stats(stats)
         note = dense_note(stats, normalized=norm is not None)
