@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -149,7 +150,8 @@ def _run_dir(err: str) -> Path:
 
 def test_new_user_scenario_pyarrow_table_default_config_best_checkpoint_eval(tmp_path, capsys):
     """The README's path: a table written with pyarrow, a config without valid files or any [train] key,
-    train, then ``eval --checkpoint <run>/checkpoints/best`` works."""
+    train, then ``eval --checkpoint <run>/checkpoints/best`` works; resuming on another data root is refused
+    unless allowed by name."""
     write_ads_table(tmp_path / "data" / "train" / "part-0.parquet", 600)
     write_ads_table(tmp_path / "data" / "test" / "part-0.parquet", 200, start=5000)
     toml = tmp_path / "my-ads.toml"
@@ -174,6 +176,22 @@ def test_new_user_scenario_pyarrow_table_default_config_best_checkpoint_eval(tmp
     best_step = summary["best"]["step"]
     assert re.search(rf"checkpoint \S+ \(step {best_step}\), test split:", out), out
     assert main(["eval", "--checkpoint", str(best), "--split", "valid"]) == 0
+    capsys.readouterr()
+    # The same table under another root: a resume there is refused (exit 2), naming the key and both values;
+    # named with --allow-change it continues the run.
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "data", other)
+    resume = ["train", "--resume", str(run), f"data.parquet.root={other}", "train.epochs=3"]
+    written = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert main(resume) == 2
+    err = capsys.readouterr().err
+    assert "data.parquet.root" in err and str(tmp_path / "data") in err and str(other) in err, err
+    assert "(--allow-change data.parquet.root)" in err, err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == written  # nothing written
+    assert main([*resume[:3], "--allow-change", "data.parquet.root", *resume[3:]]) == 0
+    err = capsys.readouterr().err
+    assert f"gem-train: resuming {run.name} from step " in err, err
+    assert "allowed (--allow-change): data.parquet.root" in err, err
 
 
 def test_a_validation_split_set_to_zero_warns_and_writes_no_best(tmp_path, capsys, small_config):
