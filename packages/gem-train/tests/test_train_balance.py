@@ -17,6 +17,7 @@ from gem_train.data.balance import (
     POLICY,
     BalancedTrainStream,
     balanced_stream,
+    calibration_batches,
     common_level,
     concat_batches,
     reshard_balancer,
@@ -180,9 +181,7 @@ def test_the_common_level_is_the_same_on_every_rank_and_a_plain_mean():
     assert len(set(levels)) == 1 and levels[0] == pytest.approx(reference, rel=1e-12)
     ragged = torch.cat([sample_lengths(src.get("train", k, 7).batch) for k in range(15)])[:100]
     want = float(get_cost_model("mix").sample_costs(ragged.sum(1).double()).mean())
-    assert common_level(src, 100, read_batch=7) == pytest.approx(want, rel=1e-12)
-    with pytest.raises(ValueError, match="samples"):
-        common_level(src, 0)
+    assert common_level(src, 100, read_batch=7) == pytest.approx(want, rel=1e-12)  # endless: batches 0..14
 
 
 def test_the_level_is_saved_and_a_resume_uses_the_saved_one():
@@ -329,3 +328,21 @@ def test_two_processes_balanced_resume_is_exact(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     again = losses()
     assert again == full  # steps 1-2 kept, steps 3-4 recomputed bit-identically
+
+
+class _Finite(_TaggedSource):
+    def num_batches(self, split, batch_size):
+        return 1000 // batch_size  # one pass: 142 batches of 7 rows
+
+
+def test_the_calibration_sample_is_spread_over_one_pass():
+    """With a pass of 142 batches, 15 reads of 7 rows (100 samples) take every 9th batch (0, 9, ..., 126)."""
+    src = _Finite()
+    assert calibration_batches(src, 100, 7) == [9 * k for k in range(15)]
+    assert calibration_batches(src, 10_000, 7) == list(range(1429))  # more than a pass: consecutive
+    assert calibration_batches(_TaggedSource(), 100, 7) == list(range(15))  # endless: the first
+    ragged = torch.cat([sample_lengths(src.get("train", 9 * k, 7).batch) for k in range(15)])[:100]
+    want = float(get_cost_model("mix").sample_costs(ragged.sum(1).double()).mean())
+    assert common_level(src, 100, read_batch=7) == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="samples"):
+        common_level(src, 0)

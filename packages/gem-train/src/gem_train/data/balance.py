@@ -42,6 +42,7 @@ __all__ = [
     "POLICY",
     "BalancedTrainStream",
     "balanced_stream",
+    "calibration_batches",
     "common_level",
     "concat_batches",
     "reshard_balancer",
@@ -125,20 +126,31 @@ def collate(subs: list[LoadedBatch], index: list[tuple[int, int]]) -> LoadedBatc
     return LoadedBatch(batch, -1, probs)
 
 
+def calibration_batches(source: Any, samples: int, read_batch: int) -> list[int]:
+    """The global training batches (of ``read_batch`` rows) of the calibration sample: ``ceil(samples /
+    read_batch)`` of them, spread evenly over one pass of the training split when the source has passes
+    (``num_batches``; the first rows alone would miss a drift of the lengths along the split, e.g. histories
+    growing with time), else the first ones. A function of the source's size alone: the same on every rank."""
+    n = math.ceil(samples / read_batch)
+    total = source.num_batches("train", read_batch)
+    stride = max(1, int(total) // n) if total else 1
+    return [k * stride for k in range(n)]
+
+
 def common_level(
     source: Any, samples: int = CALIBRATION_SAMPLES, read_batch: int = CALIBRATION_BATCH
 ) -> float:
-    """The expected cost of a sample, every rank alike: the mean ``get_cost_model("mix")`` cost of the first
-    ``samples`` rows of ``source``'s training split, read as global batches ``0, 1, ...`` of ``read_batch``
-    rows (``source.get("train", k, read_batch)``). A function of the source alone (no rank, no world size,
-    no seed), summed exactly (:func:`gem_parallel.balance.calibration_level`): bit-identical on every rank."""
+    """The expected cost of a sample, every rank alike: the mean ``get_cost_model("mix")`` cost of
+    ``samples`` rows of ``source``'s training split, the first rows of the global batches
+    :func:`calibration_batches` names (``source.get("train", k, read_batch)``). A function of the source
+    alone (no rank, no world size, no seed), summed exactly (:func:`gem_parallel.balance.calibration_level`):
+    bit-identical on every rank. Cost: reading ``samples`` rows once, before the first batch."""
     from gem_parallel.balance import calibration_level
 
     if samples < 1 or read_batch < 1:
         raise ValueError(f"common_level: samples and read_batch must be >= 1, got {samples}, {read_batch}")
-    lengths = []
-    for k in range(math.ceil(samples / read_batch)):
-        lengths.append(sample_lengths(source.get("train", k, read_batch).batch))
+    lengths = [sample_lengths(source.get("train", k, read_batch).batch)
+               for k in calibration_batches(source, samples, read_batch)]  # fmt: skip
     return calibration_level("mix", torch.cat(lengths)[:samples])
 
 
