@@ -65,7 +65,7 @@ def _batches(cfg: TrainConfig, run: BuiltRun, world: int) -> Callable[[int, int]
         return rebalanced
     if cfg.parallel.balancer != "base_batch_shuffling":
         return lambda k, r: run.source.get("train", k * world + r, bs).batch
-    level = common_level(run.source)  # the trainer's: the same calibration sample on every rank
+    level = common_level(run.source, cfg.parallel.balancer_calibration)  # the trainer's, every rank's
     streams: list[Iterator] = [
         iter(balanced_stream(run.source, rank=r, world_size=world, batch_size=bs, seed=cfg.run.seed,
                              mean_cost=level))

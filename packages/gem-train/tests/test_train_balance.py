@@ -214,7 +214,8 @@ def test_the_level_is_saved_and_a_resume_uses_the_saved_one():
 
 
 def test_training_with_the_balancer_resumes_bit_identically(tmp_path, small_config):
-    steps = ["train.steps=6", "checkpoint.every=0", "parallel.balancer=base_batch_shuffling"]
+    steps = ["train.steps=6", "checkpoint.every=0", "parallel.balancer=base_batch_shuffling",
+             "parallel.balancer_calibration=4096"]  # fmt: skip
     full = Trainer(small_config(tmp_path / "a", *steps)).fit()
     assert full.status == "completed" and len(full.losses) == 6
     plain = Trainer(small_config(tmp_path / "p", "train.steps=6", "checkpoint.every=0")).fit()
@@ -300,6 +301,7 @@ def test_two_processes_balanced_resume_is_exact(tmp_path):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         "-m", "gem_train.cli", "train", "parallel.balancer=base_batch_shuffling",
+        "parallel.balancer_calibration=4096",
         "data.batch_size=16", "data.eval_batch_size=64", "data.synthetic.eval_examples=64",
         "data.synthetic.max_len=8", "data.synthetic.num_users=300", "data.synthetic.num_items=200",
         "model.overrides.n_layers=1", 'model.overrides.attention="full"',
