@@ -60,7 +60,7 @@ class ParallelSection:
     # "base_batch_shuffling": rows of the training split whose mean cost is the level every rank aims at
     # (gem_train.data.balance.common_level: read identically on every rank, no communication). Read once by a
     # fresh balanced stream; a resume keeps its checkpoint's level.
-    balancer_calibration: int = 262_144
+    balancer_calibration: int = 1_048_576
     # Collective timeout (s) of the process group: a rank that died or hangs makes every other rank fail
     # with an error after at most this long, never a silent hang.
     timeout_s: float = 600.0

@@ -53,12 +53,12 @@ Sample = tuple[int, int]  # (global batch index, row in it)
 
 POLICY = "capped"  # gem_parallel.balance's default: the heaviest rank bounded by the cap (issue 38)
 # The common level's calibration sample. Its error, ~ CV / sqrt(K), is common to all ranks; what matters is
-# that it stays inside the capped policy's window: a level low by more than headroom / (1 + headroom) (2%)
-# puts every cap below the true mean and the pools clog; one high by e lifts every rank to ~(1 + headroom)
-# (1 + e). At K = 262,144 the error's std is 0.46% / 0.54% (the log-normal / Zipf streams of issue 38, CV
-# 2.4 / 2.9), ~4 std inside the window (gem-parallel's BENCHMARKS.md: the sweep over K and a level off by a
-# known factor).
-CALIBRATION_SAMPLES = 262_144  # parallel.balancer_calibration's default
+# that it stays inside the capped policy's window, about -1% .. +0.7% at headroom 0.02: a level too low puts
+# the caps at the true mean and the pools clog over long runs; one high by e lifts every rank to ~(1 +
+# headroom)(1 + e). At K = 2**20 the error's std is 0.23% / 0.27% (the log-normal / Zipf streams of issue 38,
+# CV 2.4 / 2.9): ~4 std from the low edge, ~3 from the high one (gem-parallel's BENCHMARKS.md, "A common level
+# without communication": the sweep over K and over a level off by a known factor).
+CALIBRATION_SAMPLES = 1_048_576  # parallel.balancer_calibration's default
 CALIBRATION_BATCH = 1_024  # rows per read of the calibration sample (transient host memory)
 
 
