@@ -173,6 +173,7 @@ OUT_OF_RANGE = [
     ("precision.keep_last_blocks=-1", "precision.keep_last_blocks must be >= 0"),
     ("checkpoint.every=-1", "checkpoint.every must be >= 0"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last must be > 0"),
+    ("parallel.balancer_calibration=0", "parallel.balancer_calibration must be an int >= 1"),
     # Checked against gem-model and the dataset, still before the run directory exists.
     ("model.name=huge", "model.name"),
     ("model.overrides.d_model=-8", "model.overrides"),

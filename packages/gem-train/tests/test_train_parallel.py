@@ -49,7 +49,7 @@ BASE = (
     "train.progress_bar=false", "optim.warmup_steps=2", f"train.steps={STEPS}", f"checkpoint.every={CKPT}",
     "checkpoint.keep_last=3",
 )  # fmt: skip
-BALANCED = ("parallel.balancer=base_batch_shuffling",)
+BALANCED = ("parallel.balancer=base_batch_shuffling", "parallel.balancer_calibration=4096")
 GLOBAL = ("parallel.balancer=global",)
 LAYOUT = (
     "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.strategy=2d",

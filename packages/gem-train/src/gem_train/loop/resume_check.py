@@ -69,6 +69,7 @@ NO_EFFECT: dict[str, str] = {
     "parallel.memory_budget": "memory and speed",
     "parallel.saved_activations": "memory and speed",
     "parallel.timeout_s": "how long a collective waits",
+    "parallel.balancer_calibration": "the level of a fresh balanced stream; a resume keeps its checkpoint's",
 }
 # Settings that continue the run (allowed, said at start-up).
 CONTINUES: dict[str, str] = {

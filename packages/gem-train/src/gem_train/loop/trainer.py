@@ -134,7 +134,8 @@ class Trainer:
         self.skipped = 0
         # The data stream's position: global batches consumed before start_step (by any number of ranks).
         self.data_offset = 0
-        self.balancer = BalancerPosition()  # parallel.balancer = "base_batch_shuffling"
+        # parallel.balancer = "base_batch_shuffling"
+        self.balancer = BalancerPosition(calibration_samples=cfg.parallel.balancer_calibration)
         resharded = False
         if resume_from is not None:
             sparse = self.built_run.sparse
