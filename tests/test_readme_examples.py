@@ -1,13 +1,21 @@
 """Every README example marked as runnable runs as written, and every relative link in the docs resolves.
 
-The convention (also in RELEASING.md, "Documentation"): a fenced ```python or ```bash block whose fence
-line comes right after a line `<!-- example -->` is an example. Each runs in a fresh subprocess, in an
-empty temporary directory (so examples that write files leave nothing behind), with this interpreter
-(python blocks) or `bash -euo pipefail` with this interpreter's `bin/` first on PATH (bash blocks: the
-`gem-train` command is the installed one), one torch thread, and a timeout. `<!-- example: slow -->` marks
-one that takes more than a few seconds on two cores: it runs under `-m slow`. Blocks without the marker are
-illustrations (signatures, config fragments, output) and are not run. A failure names the README, the
-line of the block's fence, the exit status and the end of its output.
+The convention (also in RELEASING.md, "Documentation"): a fenced block whose fence line comes right after a
+line `<!-- example -->` is an example.
+
+- A ```python block runs with this interpreter, a ```bash block with `bash -euo pipefail` and this
+  interpreter's `bin/` first on PATH (so `gem-train` is the installed command), each in a fresh subprocess,
+  in an empty temporary directory (examples that write files leave nothing behind), with one torch thread
+  and a timeout.
+- Tags after a colon, separated by spaces: `slow` (more than a few seconds on two cores: runs under
+  `-m slow`); `session=NAME` (the blocks of one README with this name run in order, in one directory, as one
+  test: a worked example in several steps); `file=PATH` (the block is not run but written to PATH in its
+  session's directory: a config file of the walk-through, any language).
+  E.g. `<!-- example: session=own-data file=my-ads.toml -->` above a ```toml block.
+- Blocks without the marker are illustrations (signatures, fragments, output) and are not run.
+
+A failure names the README, the line of the failing block's fence, the exit status and the end of its
+output.
 """
 
 from __future__ import annotations
@@ -29,47 +37,82 @@ DOCS = [
     *sorted((ROOT / "packages").glob("*/docs/*.md")),
     *sorted((ROOT / "packages").glob("*/BENCHMARKS.md")),
 ]
-MARKER = re.compile(r"^<!--\s*example(?::\s*(?P<tags>[\w ,-]+))?\s*-->\s*$")
-FENCE = re.compile(r"^```(?P<lang>\w*)\s*$")
+MARKER = re.compile(r"^<!--\s*example(?::\s*(?P<tags>[^>]*?))?\s*-->\s*$")
+FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
 TIMEOUT_S = {"fast": 120, "slow": 600}
 
 
 @dataclass(frozen=True)
-class Example:
-    readme: Path
+class Block:
     line: int  # 1-based line of the opening fence
-    lang: str  # "python" or "bash"
+    lang: str
     code: str
+    file: str | None  # written to this path instead of run
+
+
+@dataclass(frozen=True)
+class Example:
+    """One test: a block alone, or the blocks of a session in order."""
+
+    readme: Path
+    blocks: tuple[Block, ...]
     slow: bool
 
     @property
     def id(self) -> str:
-        return f"{self.readme.relative_to(ROOT)}:{self.line}"
+        return f"{self.readme.relative_to(ROOT)}:{self.blocks[0].line}"
+
+
+def _tags(text: str | None) -> dict[str, str]:
+    tags: dict[str, str] = {}
+    for word in (text or "").replace(",", " ").split():
+        key, _, value = word.partition("=")
+        tags[key] = value
+    unknown = set(tags) - {"slow", "session", "file"}
+    if unknown:
+        raise ValueError(f"unknown example tags {sorted(unknown)} (known: slow, session=NAME, file=PATH)")
+    return tags
 
 
 def extract_examples(path: Path) -> list[Example]:
-    """The marked fenced blocks of one Markdown file, in order."""
+    """The marked fenced blocks of one Markdown file: one example per block, or per session, in order."""
     lines = path.read_text().splitlines()
     examples: list[Example] = []
+    sessions: dict[str, int] = {}  # name -> index in examples
     i = 0
     while i < len(lines):
         marker = MARKER.match(lines[i].strip())
         if marker is None:
             i += 1
             continue
-        tags = {t.strip() for t in (marker.group("tags") or "").replace(",", " ").split()}
+        where = f"{path}:{i + 1}"
+        try:
+            tags = _tags(marker.group("tags"))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         fence = FENCE.match(lines[i + 1]) if i + 1 < len(lines) else None
-        if fence is None or fence.group("lang") not in ("python", "bash"):
-            where = f"{path}:{i + 1}"
-            raise ValueError(f"{where}: <!-- example --> must be followed by a ```python or ```bash block")
+        if fence is None:
+            raise ValueError(f"{where}: <!-- example --> must be followed by a fenced block")
+        lang, file = fence.group("lang"), tags.get("file") or None
+        if file is None and lang not in ("python", "bash"):
+            raise ValueError(f"{where}: only ```python and ```bash blocks run (or give file=PATH)")
+        if file is not None and "session" not in tags:
+            raise ValueError(f"{where}: file=PATH belongs to a session=NAME")
         end = i + 2
         while end < len(lines) and lines[end].rstrip() != "```":
             end += 1
         if end == len(lines):
             raise ValueError(f"{path}:{i + 2}: unclosed code block")
-        examples.append(
-            Example(path, i + 2, fence.group("lang"), "\n".join(lines[i + 2 : end]) + "\n", "slow" in tags)
-        )
+        block = Block(i + 2, lang, "\n".join(lines[i + 2 : end]) + "\n", file)
+        session = tags.get("session")
+        if session and session in sessions:
+            k = sessions[session]
+            old = examples[k]
+            examples[k] = Example(path, (*old.blocks, block), old.slow or "slow" in tags)
+        else:
+            if session:
+                sessions[session] = len(examples)
+            examples.append(Example(path, (block,), "slow" in tags))
         i = end + 1
     return examples
 
@@ -81,25 +124,24 @@ def _params() -> list[object]:
     return [pytest.param(e, id=e.id, marks=[pytest.mark.slow] if e.slow else []) for e in EXAMPLES]
 
 
-def run_example(example: Example, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_block(block: Block, cwd: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run one block in ``cwd`` (or write it to its file there)."""
+    if block.file is not None:
+        (cwd / block.file).parent.mkdir(parents=True, exist_ok=True)
+        (cwd / block.file).write_text(block.code)
+        return subprocess.CompletedProcess([], 0, "", "")
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.pop("PYTHONPATH", None)
-    if example.lang == "python":
-        script = cwd / "example.py"
-        script.write_text(example.code)
+    if block.lang == "python":
+        script = cwd / f"readme_example_{block.line}.py"
+        script.write_text(block.code)
         cmd = [sys.executable, str(script)]
     else:
-        cmd = ["bash", "-euo", "pipefail", "-c", example.code]
+        cmd = ["bash", "-euo", "pipefail", "-c", block.code]
     return subprocess.run(
-        cmd,
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S["slow" if example.slow else "fast"],
-        check=False,
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
     )
 
 
@@ -112,39 +154,50 @@ def test_every_package_readme_has_an_example():
 
 @pytest.mark.parametrize("example", _params())
 def test_readme_example_runs(example: Example, tmp_path: Path):
-    try:
-        done = run_example(example, tmp_path)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{example.id}: the {example.lang} example ran past {e.timeout} s")
-    if done.returncode != 0:
-        tail = (done.stdout[-2000:] + "\n--- stderr ---\n" + done.stderr[-4000:]).strip()
-        what = f"{example.id}: the {example.lang} example exited {done.returncode}"
-        pytest.fail(f"{what}\n{tail}", pytrace=False)
+    timeout_s = TIMEOUT_S["slow" if example.slow else "fast"]
+    for block in example.blocks:
+        where = f"{example.readme.relative_to(ROOT)}:{block.line}"
+        try:
+            done = run_block(block, tmp_path, timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{where}: the {block.lang} example ran past {timeout_s} s", pytrace=False)
+        if done.returncode != 0:
+            tail = (done.stdout[-2000:] + "\n--- stderr ---\n" + done.stderr[-4000:]).strip()
+            pytest.fail(f"{where}: the {block.lang} example exited {done.returncode}\n{tail}", pytrace=False)
 
 
 def test_extract_examples_reads_the_convention(tmp_path: Path):
-    """The extractor takes marked blocks only, with their fence line and tags; a bad marker is an error."""
+    """The extractor takes marked blocks only, with their fence line and tags; sessions join their blocks;
+    a bad marker is an error naming the line."""
     md = tmp_path / "README.md"
     md.write_text(
         "# t\n\n```python\nnot_run()\n```\n\n<!-- example -->\n```python\nprint(1)\n```\n"
         "<!-- example: slow -->\n```bash\necho hi\n```\n"
+        "<!-- example: session=s file=a.toml -->\n```toml\nx = 1\n```\ntext\n"
+        "<!-- example: session=s slow -->\n```bash\ncat a.toml\n```\n"
     )
     examples = extract_examples(md)
-    assert [(e.line, e.lang, e.code, e.slow) for e in examples] == [
-        (8, "python", "print(1)\n", False),
-        (12, "bash", "echo hi\n", True),
+    assert [([(b.line, b.lang, b.code, b.file) for b in e.blocks], e.slow) for e in examples] == [
+        ([(8, "python", "print(1)\n", None)], False),
+        ([(12, "bash", "echo hi\n", None)], True),
+        ([(16, "toml", "x = 1\n", "a.toml"), (21, "bash", "cat a.toml\n", None)], True),
     ]
-    md.write_text("<!-- example -->\n\n```python\nx\n```\n")
-    with pytest.raises(ValueError, match=r"README.md:1: <!-- example --> must be followed"):
-        extract_examples(md)
+    session = examples[2]
+    assert [run_block(b, tmp_path, 60).stdout for b in session.blocks] == ["", "x = 1\n"]
+    for bad, message in (
+        ("<!-- example -->\n\n```python\nx\n```\n", "README.md:1: <!-- example --> must be followed"),
+        ("<!-- example -->\n```toml\nx\n```\n", "README.md:1: only ```python and ```bash"),
+        ("<!-- example: fast -->\n```bash\nx\n```\n", r"README.md:1: unknown example tags \['fast'\]"),
+    ):
+        md.write_text(bad)
+        with pytest.raises(ValueError, match=message):
+            extract_examples(md)
 
 
 def test_a_failing_example_is_reported(tmp_path: Path):
     """The runner reports a failing example's exit status (so the harness cannot pass vacuously)."""
-    bad = Example(tmp_path / "README.md", 3, "python", "raise SystemExit(3)\n", False)
-    assert run_example(bad, tmp_path).returncode == 3
-    bad_sh = Example(tmp_path / "README.md", 3, "bash", "false\necho never\n", False)
-    done = run_example(bad_sh, tmp_path)
+    assert run_block(Block(3, "python", "raise SystemExit(3)\n", None), tmp_path, 60).returncode == 3
+    done = run_block(Block(3, "bash", "false\necho never\n", None), tmp_path, 60)
     assert done.returncode != 0 and "never" not in done.stdout
 
 
