@@ -205,7 +205,7 @@ LINK = re.compile(r"!?\[[^\]]*\]\((?P<target>[^)\s]+)\)")
 
 
 def relative_links(path: Path) -> list[tuple[int, str]]:
-    """(line, target) of every Markdown link that is not a URL or an in-page anchor, outside code blocks."""
+    """(line, target) of every Markdown link that is not a URL, outside code blocks."""
     found: list[tuple[int, str]] = []
     in_code = False
     for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -216,17 +216,46 @@ def relative_links(path: Path) -> list[tuple[int, str]]:
             continue
         for m in LINK.finditer(line):
             target = m.group("target")
-            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):
                 continue
             found.append((n, target))
     return found
 
 
+def github_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown file (lower case, punctuation dropped, spaces to
+    hyphens, repeats numbered)."""
+    anchors: set[str] = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        if in_code or not line.startswith("#"):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        n, candidate = 0, slug
+        while candidate in anchors:
+            n += 1
+            candidate = f"{slug}-{n}"
+        anchors.add(candidate)
+    return anchors
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(doc: Path):
-    broken = [
-        f"{doc.relative_to(ROOT)}:{n}: {target}"
-        for n, target in relative_links(doc)
-        if not (doc.parent / target.split("#", 1)[0]).exists()
-    ]
-    assert not broken, "links to missing files:\n" + "\n".join(broken)
+    """Every relative link points at an existing file, and an anchor into a Markdown file at a heading."""
+    broken = []
+    for n, target in relative_links(doc):
+        file, _, anchor = target.partition("#")
+        path = doc.parent / file if file else doc
+        if not path.exists():
+            broken.append(f"{doc.relative_to(ROOT)}:{n}: {target} (no such file)")
+        elif anchor and path.suffix == ".md" and anchor not in github_anchors(path):
+            broken.append(f"{doc.relative_to(ROOT)}:{n}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_github_anchors(tmp_path: Path):
+    md = tmp_path / "a.md"
+    md.write_text("# gem-train\n## Training on your own data (Parquet)\n```\n# not a heading\n```\n## A, b\n## A, b\n")
+    assert github_anchors(md) == {"gem-train", "training-on-your-own-data-parquet", "a-b", "a-b-1"}
