@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +41,8 @@ DOCS = [
 ]
 MARKER = re.compile(r"^<!--\s*example(?::\s*(?P<tags>[^>]*?))?\s*-->\s*$")
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
-TIMEOUT_S = {"fast": 120, "slow": 600}
+# Generous: on a loaded 2-core machine a torch import alone can take a minute of wall time.
+TIMEOUT_S = {"fast": 300, "slow": 900}
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,12 @@ EXAMPLES = [e for readme in READMES for e in extract_examples(readme)]
 
 
 def _params() -> list[object]:
-    return [pytest.param(e, id=e.id, marks=[pytest.mark.slow] if e.slow else []) for e in EXAMPLES]
+    params = []
+    for e in EXAMPLES:
+        limit = TIMEOUT_S["slow" if e.slow else "fast"] * len(e.blocks) + 60  # over each block's own limit
+        marks = [pytest.mark.timeout(limit), *([pytest.mark.slow] if e.slow else [])]
+        params.append(pytest.param(e, id=e.id, marks=marks))
+    return params
 
 
 def run_block(block: Block, cwd: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -140,9 +148,23 @@ def run_block(block: Block, cwd: Path, timeout_s: float) -> subprocess.Completed
         cmd = [sys.executable, str(script)]
     else:
         cmd = ["bash", "-euo", "pipefail", "-c", block.code]
-    return subprocess.run(
-        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
-    )
+    # A session of its own, so that a timeout ends the example's children too (gem-train under bash).
+    with subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def test_every_package_readme_has_an_example():
@@ -257,5 +279,18 @@ def test_relative_links_resolve(doc: Path):
 
 def test_github_anchors(tmp_path: Path):
     md = tmp_path / "a.md"
-    md.write_text("# gem-train\n## Training on your own data (Parquet)\n```\n# not a heading\n```\n## A, b\n## A, b\n")
+    md.write_text(
+        "# gem-train\n## Training on your own data (Parquet)\n```\n# not a heading\n```\n## A, b\n## A, b\n"
+    )
     assert github_anchors(md) == {"gem-train", "training-on-your-own-data-parquet", "a-b", "a-b-1"}
+
+
+def test_a_timeout_ends_the_example_and_its_children(tmp_path: Path):
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_block(Block(1, "bash", f"sleep 60 & echo $! > {pid_file}; wait\n", None), tmp_path, 2)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
