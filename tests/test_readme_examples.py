@@ -10,7 +10,8 @@ line `<!-- example -->` is an example.
 - Tags after a colon, separated by spaces: `slow` (more than a few seconds on two cores: runs under
   `-m slow`); `session=NAME` (the blocks of one README with this name run in order, in one directory, as one
   test: a worked example in several steps); `file=PATH` (the block is not run but written to PATH in its
-  session's directory: a config file of the walk-through, any language).
+  session's directory: a config file of the walk-through, any language); `requires=MODULE[+MODULE]`
+  (skipped, saying so, where a module it needs is not in this checkout).
   E.g. `<!-- example: session=own-data file=my-ads.toml -->` above a ```toml block.
 - Blocks without the marker are illustrations (signatures, fragments, output) and are not run.
 
@@ -20,6 +21,7 @@ output.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -60,6 +62,7 @@ class Example:
     readme: Path
     blocks: tuple[Block, ...]
     slow: bool
+    requires: tuple[str, ...] = ()  # modules it needs (skipped, with the reason, where one is missing)
 
     @property
     def id(self) -> str:
@@ -71,9 +74,10 @@ def _tags(text: str | None) -> dict[str, str]:
     for word in (text or "").replace(",", " ").split():
         key, _, value = word.partition("=")
         tags[key] = value
-    unknown = set(tags) - {"slow", "session", "file"}
+    unknown = set(tags) - {"slow", "session", "file", "requires"}
     if unknown:
-        raise ValueError(f"unknown example tags {sorted(unknown)} (known: slow, session=NAME, file=PATH)")
+        known = "slow, session=NAME, file=PATH, requires=MODULE"
+        raise ValueError(f"unknown example tags {sorted(unknown)} (known: {known})")
     return tags
 
 
@@ -108,14 +112,16 @@ def extract_examples(path: Path) -> list[Example]:
             raise ValueError(f"{path}:{i + 2}: unclosed code block")
         block = Block(i + 2, lang, "\n".join(lines[i + 2 : end]) + "\n", file)
         session = tags.get("session")
+        needs = tuple(m for m in tags.get("requires", "").split("+") if m)
         if session and session in sessions:
             k = sessions[session]
             old = examples[k]
-            examples[k] = Example(path, (*old.blocks, block), old.slow or "slow" in tags)
+            requires = (*old.requires, *needs)
+            examples[k] = Example(path, (*old.blocks, block), old.slow or "slow" in tags, requires)
         else:
             if session:
                 sessions[session] = len(examples)
-            examples.append(Example(path, (block,), "slow" in tags))
+            examples.append(Example(path, (block,), "slow" in tags, needs))
         i = end + 1
     return examples
 
@@ -176,6 +182,9 @@ def test_every_package_readme_has_an_example():
 
 @pytest.mark.parametrize("example", _params())
 def test_readme_example_runs(example: Example, tmp_path: Path):
+    missing = [m for m in example.requires if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{example.id}: needs {', '.join(missing)}, not in this checkout")
     timeout_s = TIMEOUT_S["slow" if example.slow else "fast"]
     for block in example.blocks:
         where = f"{example.readme.relative_to(ROOT)}:{block.line}"
@@ -196,7 +205,7 @@ def test_extract_examples_reads_the_convention(tmp_path: Path):
         "# t\n\n```python\nnot_run()\n```\n\n<!-- example -->\n```python\nprint(1)\n```\n"
         "<!-- example: slow -->\n```bash\necho hi\n```\n"
         "<!-- example: session=s file=a.toml -->\n```toml\nx = 1\n```\ntext\n"
-        "<!-- example: session=s slow -->\n```bash\ncat a.toml\n```\n"
+        "<!-- example: session=s slow requires=json+no_such_module_here -->\n```bash\ncat a.toml\n```\n"
     )
     examples = extract_examples(md)
     assert [([(b.line, b.lang, b.code, b.file) for b in e.blocks], e.slow) for e in examples] == [
@@ -205,6 +214,7 @@ def test_extract_examples_reads_the_convention(tmp_path: Path):
         ([(16, "toml", "x = 1\n", "a.toml"), (21, "bash", "cat a.toml\n", None)], True),
     ]
     session = examples[2]
+    assert session.requires == ("json", "no_such_module_here")
     assert [run_block(b, tmp_path, 60).stdout for b in session.blocks] == ["", "x = 1\n"]
     for bad, message in (
         ("<!-- example -->\n\n```python\nx\n```\n", "README.md:1: <!-- example --> must be followed"),
