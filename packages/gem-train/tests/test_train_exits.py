@@ -287,7 +287,8 @@ def test_help_of_every_command_loads_neither_torch_nor_the_config_schema():
 import contextlib, io, sys
 from gem_train.cli.main import main
 commands = [[], ["train"], ["eval"], ["bench"], ["baseline"], ["config"], ["data"], ["launch"],
-            ["data", "movielens-100k"], ["data", "synthetic"], ["data", "inspect"], ["data", "export"]]
+            ["data", "movielens-100k"], ["data", "synthetic"], ["data", "inspect"], ["data", "export"],
+            ["predict"]]
 for argv in commands:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

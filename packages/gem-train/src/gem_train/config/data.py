@@ -37,6 +37,19 @@ class SyntheticConfig:
     # A second held-out split for model selection (train.valid_every); 0: none. Its impressions come from
     # their own random stream (split code "valid"), disjoint from the training and the test streams.
     valid_examples: int = 0
+    # Time and drift (knowledge-transfer studies: a teacher trained on an earlier window, a student on a
+    # later one). Window w's request times lie in [T0 + w * 60 days, T0 + (w + 1) * 60 days) and its
+    # impressions come from their own random streams; `stream` draws another independent sample of the same
+    # window's traffic. With drift > 0 the ground truth moves with time: at u = (request_time - T0) / 60 days
+    # both tasks' base logits shift by -drift * u and each CTR term's weight is scaled by (1 + drift * u * d)
+    # with a fixed direction d per term (gem_train.data.synthetic.DRIFT_DIRECTIONS); the Bayes floor
+    # (true_probs) uses each example's own weights. window = stream = 0 and drift = 0: the data as before.
+    window: int = 0
+    stream: int = 0
+    drift: float = 0.0
+    # The seed of the hidden world and of every stream; -1: run.seed. Fix it to train several model seeds
+    # (run.seed) on the same data, e.g. students of one teacher.
+    seed: int = -1
 
     def validate(self, key: str = "data.synthetic") -> None:
         for name in (
@@ -52,7 +65,7 @@ class SyntheticConfig:
             raise ConfigError(
                 f"{key}.num_actions must be >= 2 (views and clicks at least), got {self.num_actions!r}"
             )
-        for name in ("n_dense", "train_examples_per_epoch", "valid_examples"):
+        for name in ("n_dense", "train_examples_per_epoch", "valid_examples", "window", "stream"):
             _int_in(f"{key}.{name}", getattr(self, name), 0)
         _real(f"{key}.history_lognormal_mu", self.history_lognormal_mu, -50.0, 50.0)
         _real(f"{key}.history_lognormal_sigma", self.history_lognormal_sigma, 0.0, 50.0)
@@ -60,6 +73,8 @@ class SyntheticConfig:
         _real(f"{key}.item_zipf_s", self.item_zipf_s, 0.0, 50.0)
         _real(f"{key}.base_ctr_logit", self.base_ctr_logit, -50.0, 50.0)
         _real(f"{key}.base_cvr_logit", self.base_cvr_logit, -50.0, 50.0)
+        _real(f"{key}.drift", self.drift, 0.0, 10.0)
+        _int_in(f"{key}.seed", self.seed, -1, 2**32 - 1)
 
 
 @dataclass

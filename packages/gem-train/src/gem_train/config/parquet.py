@@ -27,6 +27,9 @@ Tables of features are keyed by feature name, in the order they appear (that ord
     [data.parquet.labels]                    # task = column (nullable: null masks the task for the row)
     ctr = "click"
     cvr = "conversion"
+
+    keys = ["impression_id"]                 # (under [data.parquet]) columns that identify a row: written by
+                                             # `gem-train predict`, joined on by [distill] (optional)
 """
 
 from __future__ import annotations
@@ -144,6 +147,9 @@ class ParquetConfig:
     sparse: dict[str, Any] = field(default_factory=dict)  # name -> SparseColumn table
     sequences: dict[str, Any] = field(default_factory=dict)  # name -> SequenceColumns table
     labels: dict[str, Any] = field(default_factory=dict)  # task -> column
+    # Columns (int or string, non-null) that identify a row: `gem-train predict` writes them beside the
+    # predictions so the output joins back to the table, and [distill] joins teacher predictions on them.
+    keys: list[str] = field(default_factory=list)
 
     def sparse_features(self) -> list[tuple[str, SparseColumn]]:
         """(name, column spec) of every sparse feature, in order (the tables parsed and type-checked)."""
@@ -166,6 +172,8 @@ class ParquetConfig:
             sp.validate(f"{key}.sparse.{name}")
         for name, sq in self.sequence_features():
             sq.validate(f"{key}.sequences.{name}")
+        if len(set(self.keys)) != len(self.keys) or not all(self.keys):
+            raise _config_error(f"{key}.keys must name distinct columns, got {self.keys}")
         for task, col in self.labels.items():
             if not isinstance(col, str) or not col:
                 raise _config_error(f"{key}.labels.{task} must name a column (a string), got {col!r}")

@@ -19,6 +19,7 @@ from gem_train.config.checks import ConfigError
 from gem_train.config.checks import int_in as _int_in
 from gem_train.config.checks import real as _real
 from gem_train.config.data import DataConfig
+from gem_train.config.distill import DistillConfig
 from gem_train.config.gbdt import GbdtConfig
 from gem_train.config.parallel import ParallelSection
 
@@ -234,6 +235,7 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # knowledge transfer (gem_train.transfer)
 
     def validate(self) -> None:
         """Check every value's range (types are checked at load time), section by section; raise
@@ -246,3 +248,4 @@ class TrainConfig:
         self.precision.validate("precision")
         self.checkpoint.validate("checkpoint")
         self.parallel.validate("parallel")
+        self.distill.validate("distill")

@@ -89,9 +89,11 @@ def build_model_for(cfg: TrainConfig, spec: FeatureSpec, dist_info: DistInfo, *,
     (precision, compile, activation checkpointing, FSDP2/EP/sharded tables or DDP on several ranks) or, with
     ``training=False``, for evaluation (the precision recipe only, so its layers are the trained ones)."""
     from gem_parallel import parallelize
+    from gem_train.transfer.student import attach_student
 
     autocast_dtype = resolve_autocast(cfg.train.autocast, dist_info.device)
     built = build_model(cfg.model, spec, dist_info.device, cfg.run.seed)
+    attach_student(built.model, cfg.distill, tuple(spec.tasks))  # [distill]'s heads; nothing without
     plan = parallel_plan(cfg, dist_info.world_size, autocast_dtype, training=training)
     try:
         # In place (FSDP2 swaps classes; parameter names stay): built.model is the model of the checkpoints.
@@ -132,8 +134,12 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> BuiltRun:
         from gem_kernels import prewarm_triton
 
         prewarm_triton()  # Triton's per-process hash in the background while the data and model are built
+    from gem_train.transfer.losses import loss_for
+    from gem_train.transfer.source import transfer_source
+
     source = build_source(cfg)
     check_selection(cfg, source)
+    source = transfer_source(cfg, source, d.device, training=training)  # [distill]'s data; as is without
     autocast_dtype = resolve_autocast(cfg.train.autocast, d.device)
     prepared = build_model_for(cfg, source.spec, d, training=training)
     model = prepared.built.model
@@ -153,4 +159,5 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> BuiltRun:
     # The GEM model names its no-decay parameters (learned tokens); the MLP baseline has none beyond 1-D.
     no_decay = list(model.no_weight_decay_parameters()) if isinstance(model, GemModel) else []
     optimizers = build_optimizers(dense, sparse, cfg.optim, no_decay)
-    return BuiltRun(cfg, d, source, prepared, optimizers, dense, autocast_dtype, peak)
+    loss_fn = loss_for(cfg.distill, tuple(source.spec.tasks))
+    return BuiltRun(cfg, d, source, prepared, optimizers, dense, autocast_dtype, peak, loss_fn)

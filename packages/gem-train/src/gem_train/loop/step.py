@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +142,9 @@ class BuiltRun:
     dense_params: list[nn.Parameter]
     autocast_dtype: torch.dtype | None
     peak_flops: float | None
+    # (logits, batch) -> (loss, per-task detached losses): multitask_loss, or [distill]'s
+    # (gem_train.transfer.losses).
+    loss_fn: Callable[[dict[str, Tensor], GemBatch], tuple[Tensor, dict[str, Tensor]]] = multitask_loss
     # torch.autocast's cache of casted weights: off under CUDA graphs (as torch's graph docs ask).
     autocast_cache: bool = True
 
@@ -256,7 +260,7 @@ class BuiltRun:
     def _forward_backward(self, batch: GemBatch) -> tuple[Tensor, dict[str, Tensor]]:
         with self.autocast():
             logits = self.train_model(batch)
-        loss, per_task = multitask_loss(logits, batch)
+        loss, per_task = self.loss_fn(logits, batch)
         loss.backward()
         return loss, per_task
 

@@ -52,16 +52,20 @@ __all__ = ["CountingLoader", "ParquetBatch", "ParquetSource", "ParquetStream"]
 
 
 class ParquetBatch(LoadedBatch):
-    """A loaded batch plus the bad rows left out of it (``on_bad_row = "skip"``) and the first reason."""
+    """A loaded batch plus the bad rows left out of it (``on_bad_row = "skip"``) and the first reason, and
+    the values of the ``data.parquet.keys`` columns of its rows (column -> ``[B]``; empty without keys)."""
 
-    __slots__ = ("bad_reason", "bad_rows")
+    __slots__ = ("bad_reason", "bad_rows", "keys")
 
-    def __init__(self, lb: LoadedBatch, bad_rows: int, bad_reason: str = "") -> None:
+    def __init__(
+        self, lb: LoadedBatch, bad_rows: int, bad_reason: str = "", keys: dict[str, np.ndarray] | None = None
+    ) -> None:
         super().__init__(lb.batch, lb.index, lb.true_probs)
         self.bad_rows, self.bad_reason = bad_rows, bad_reason
+        self.keys = keys or {}
 
     def pin_memory(self) -> ParquetBatch:
-        return ParquetBatch(super().pin_memory(), self.bad_rows, self.bad_reason)
+        return ParquetBatch(super().pin_memory(), self.bad_rows, self.bad_reason, self.keys)
 
 
 class _Reader:
@@ -375,17 +379,25 @@ class ParquetSource:
         workers: int,
         max_batches: int,
     ) -> Iterator[ParquetBatch]:
-        files = self.files.get(split)
-        if files is None:
+        if self.files.get(split) is None:
             return
-        n = files.num_rows
         total = self.num_batches(split, batch_size)
         total = min(total, max_batches) if max_batches else total
         r_lo, r_hi = rank * total // world, (rank + 1) * total // world
         m = r_hi - r_lo
         b_lo, b_hi = r_lo + worker * m // workers, r_lo + (worker + 1) * m // workers
-        if b_lo >= b_hi:
+        yield from self.file_order_batches(split, batch_size, b_lo, b_hi)
+
+    def file_order_batches(
+        self, split: Split, batch_size: int, b_lo: int, b_hi: int
+    ) -> Iterator[ParquetBatch]:
+        """Batches ``[b_lo, b_hi)`` of ``split`` in file order (batch ``j``: rows ``[j B, (j + 1) B)``, the
+        last may be short), whatever ``shuffle`` says: how held-out splits are read, and how
+        ``gem-train predict`` reads any split."""
+        files = self.files.get(split)
+        if files is None or b_lo >= b_hi:
             return
+        n = files.num_rows
         reader = _Reader(files, self.columns)
         order, cum = self._order_in_file(files)
         w = max(self.cfg.shuffle_buffer // batch_size, 1)  # batches per window
@@ -432,7 +444,7 @@ class ParquetSource:
                     g,
                     r,
                 )
-        return ParquetBatch(LoadedBatch(batch, index, None), n_bad, reason)
+        return ParquetBatch(LoadedBatch(batch, index, None), n_bad, reason, block.key_rows(lo, hi))
 
     def _in_memory(self, split: str) -> Block:
         """The whole split, checked and converted once (``shuffle = "global"``)."""

@@ -75,6 +75,7 @@ class ParquetLayout:
         out += [c for _, c in self.labels]
         if self.cfg.request_time:
             out.append(self.cfg.request_time)
+        out += list(self.cfg.keys)
         return list(dict.fromkeys(out))
 
     def check_schema(self, schema: pa.Schema, path: str) -> None:
@@ -130,6 +131,12 @@ class ParquetLayout:
             tp = get(self.cfg.request_time, "request_time")
             if not pa.types.is_integer(tp):
                 raise ParquetDataError(f"request_time column is {tp}, expected int64 seconds", path)
+        for column in self.cfg.keys:
+            tp = get(column, "a key column (data.parquet.keys)")
+            if not (pa.types.is_integer(tp) or pa.types.is_string(tp) or pa.types.is_large_string(tp)):
+                raise ParquetDataError(
+                    f"key column {column!r} is {tp}, expected an integer or a string", path
+                )
 
 
 @dataclass
