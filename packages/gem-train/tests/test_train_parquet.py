@@ -94,6 +94,9 @@ def section(root: Path, **over) -> dict:
             },
         },
         "labels": {"ctr": "click", "cvr": "conv"},
+        # These tests read every training row; the time-cut validation split is tested in
+        # test_train_own_data.py.
+        "valid_fraction": 0.0,
     }
     sec.update(over)
     return sec

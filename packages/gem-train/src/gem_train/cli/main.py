@@ -196,7 +196,7 @@ def _train(cfg: TrainConfig, resume: str | None, allow_changes: list[str] | None
             print(result.best_eval.summary())
         if result.early_stopped:
             print(
-                f"early stop: step {result.step} of {cfg.train.steps}, best-validation step "
+                f"early stop: step {result.step} of {trainer.schedule.steps}, best-validation step "
                 f"{result.best_step} (train.early_stop_patience = {cfg.train.early_stop_patience})"
             )
         print(f"run directory: {result.run_dir}")
@@ -228,8 +228,8 @@ def _eval(args: argparse.Namespace) -> int:
     split: HeldOutSplit = args.split
     if not run.source.num_batches(split, cfg.data.eval_batch_size):
         raise ConfigError(
-            "this dataset has no validation split (data.movielens.valid_fraction or "
-            "data.synthetic.valid_examples is 0); use --split test or set it"
+            "this dataset has no validation split (data.synthetic.valid_examples, "
+            "data.movielens.valid_fraction or data.parquet.valid_fraction is 0); use --split test or set it"
         )
     state = load_checkpoint(ckpt, run.model, None, restore_rng=False)
     step = int(state["step"])

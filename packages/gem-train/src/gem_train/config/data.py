@@ -34,9 +34,10 @@ class SyntheticConfig:
     base_cvr_logit: float = -1.0
     train_examples_per_epoch: int = 0  # 0: an endless stream; else the stream repeats after this many
     eval_examples: int = 8192  # the held-out (test) split
-    # A second held-out split for model selection (train.valid_every); 0: none. Its impressions come from
-    # their own random stream (split code "valid"), disjoint from the training and the test streams.
-    valid_examples: int = 0
+    # The validation split (model selection, early stopping: train.valid_every); its impressions come from
+    # their own random stream (split code "valid"), disjoint from the training and the test streams. 0: no
+    # validation split (then no checkpoints/best; a warning says so).
+    valid_examples: int = 4096
     # Time and drift (knowledge-transfer studies: a teacher trained on an earlier window, a student on a
     # later one). Window w's request times lie in [T0 + w * 60 days, T0 + (w + 1) * 60 days) and its
     # impressions come from their own random streams; `stream` draws another independent sample of the same
@@ -118,6 +119,11 @@ class DataConfig:
     batch_size: int = 256
     eval_batch_size: int = 1024
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the main process)
+    # Standardise the dense features with the mean and standard deviation of the first training batches
+    # (measured before training, stored in the checkpoint as buffers of the model's ``dense_norm`` module,
+    # so evaluation and resume use the same statistics). false: the features go in as they are (a warning
+    # says when one is far from unit scale).
+    normalize_dense: bool = False
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     movielens: MovieLensConfig = field(default_factory=MovieLensConfig)
     parquet: ParquetConfig = field(default_factory=ParquetConfig)  # your own Parquet files

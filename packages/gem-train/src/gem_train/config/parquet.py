@@ -4,8 +4,8 @@ Tables of features are keyed by feature name, in the order they appear (that ord
 
     [data.parquet]
     root = "/data/ads"                       # relative paths below start here ("{cache}": gem's cache dir)
-    train = ["train/*.parquet"]              # paths or globs (sorted); valid = [] means no validation split
-    valid = ["valid/*.parquet"]
+    train = ["train/*.parquet"]              # paths or globs (sorted)
+    valid = ["valid/*.parquet"]              # [] -> the latest valid_fraction of the training rows by time
     test = ["test/*.parquet"]
 
     [data.parquet.dense]
@@ -143,6 +143,10 @@ class ParquetConfig:
     dense_nan: Literal["error", "fill"] = "error"  # a NaN (or null) dense value: a bad row, or dense_fill
     dense_fill: float = 0.0
     request_time: str = ""  # int64 column; "" -> the row's latest event timestamp (0 without events)
+    # With no valid files: the validation split is the latest valid_fraction of the training rows by
+    # request time (the request_time column, else each row's latest history timestamp; with no time at all
+    # the last rows in file order), and training keeps the rest. 0: no validation split.
+    valid_fraction: float = 0.1
     dense: DenseColumns = field(default_factory=DenseColumns)
     sparse: dict[str, Any] = field(default_factory=dict)  # name -> SparseColumn table
     sequences: dict[str, Any] = field(default_factory=dict)  # name -> SequenceColumns table
@@ -165,6 +169,8 @@ class ParquetConfig:
         """Range checks; ``required`` (the dataset is in use): train/test files and features must be set."""
         if self.shuffle_buffer < 1:
             raise _config_error(f"{key}.shuffle_buffer must be >= 1, got {self.shuffle_buffer!r}")
+        if not (math.isfinite(self.valid_fraction) and 0.0 <= self.valid_fraction < 1.0):
+            raise _config_error(f"{key}.valid_fraction must be in [0, 1), got {self.valid_fraction!r}")
         if not math.isfinite(self.dense_fill):
             raise _config_error(f"{key}.dense_fill must be a finite number, got {self.dense_fill!r}")
         self.dense.validate(f"{key}.dense")

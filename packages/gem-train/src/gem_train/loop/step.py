@@ -29,6 +29,7 @@ from gem_train.loop.optim import lr_factor, set_lr
 
 if TYPE_CHECKING:
     from gem_train.loop.build import Prepared
+    from gem_train.loop.schedule import Schedule
 
 __all__ = ["BuiltRun", "PendingStep", "StepDone", "StepPipeline", "StepResult", "skips_on_device"]
 
@@ -132,7 +133,8 @@ def skips_on_device(opt: torch.optim.Optimizer) -> bool:
 
 @dataclass
 class BuiltRun:
-    """What :func:`gem_train.loop.build.build_run` made; see the module docstring."""
+    """What :func:`gem_train.loop.build.build_run` made; see the module docstring. ``cfg`` is the run's
+    config with the schedule resolved (:func:`gem_train.loop.schedule.scheduled_config`)."""
 
     cfg: TrainConfig
     dist: DistInfo
@@ -147,6 +149,8 @@ class BuiltRun:
     loss_fn: Callable[[dict[str, Tensor], GemBatch], tuple[Tensor, dict[str, Tensor]]] = multitask_loss
     # torch.autocast's cache of casted weights: off under CUDA graphs (as torch's graph docs ask).
     autocast_cache: bool = True
+    # How long the run trains and when it validates; ``cfg.train`` holds the same resolved values.
+    schedule: Schedule | None = None
 
     @property
     def built(self) -> BuiltModel:
