@@ -260,10 +260,14 @@ def run_predict(
     train_batches: int = 0,
     shard_rows: int = SHARD_ROWS,
     progress: bool = True,
+    compile: bool = False,
 ) -> PredictResult:
     """Predict every row of ``splits`` with the model of ``checkpoint`` (its config is ``cfg``) into
     ``out`` (see the module docstring). Splits the dataset does not have (an empty validation split) are
-    skipped. Every rank of a ``torchrun`` calls it; rank 0 writes the manifest and every rank returns it."""
+    skipped. Every rank of a ``torchrun`` calls it; rank 0 writes the manifest and every rank returns it.
+    ``compile``: the model's layers compiled by :func:`gem_parallel.compile_layers` (dynamic shapes; on the
+    CPU inductor's C++ backend): a warm-up of minutes the first time (cached on disk after), so for large
+    splits."""
     from gem_train.checkpoint import load_checkpoint
     from gem_train.loop.build import build_run
 
@@ -273,6 +277,10 @@ def run_predict(
     state = load_checkpoint(checkpoint, run.model, None, restore_rng=False)
     step = int(state["step"])
     model = run.model.eval()
+    if compile:
+        from gem_parallel import compile_layers
+
+        compile_layers(model)  # in place: parameter names, hooks on the heads and the outputs unchanged
     capture = RepresentationCapture(model) if embeddings else None
     width, what = (capture.width, capture.what) if capture is not None else (0, "")
     out = Path(out)
