@@ -1,4 +1,4 @@
-"""gem_train.transfer.heap: glibc's thresholds set where glibc is, a clean False elsewhere, bad input refused."""
+"""gem_train.transfer.heap: glibc's thresholds set where glibc is, False elsewhere, bad input refused."""
 
 from __future__ import annotations
 

@@ -207,8 +207,9 @@ def test_movielens_events_are_keys_and_cover_every_split(tmp_path):
 def test_compiled_predictions_equal_the_eager_ones(ckpt, tmp_path, monkeypatch):
     # `--compile` goes through gem_parallel.compile_layers, here with dynamo's "eager" backend (inductor's C++
     # build takes minutes on 2 cores; the benchmark measures it): the same rows, keys and logits (fp32).
-    import gem_parallel
     from torch._dynamo.utils import counters
+
+    import gem_parallel
 
     real, calls = gem_parallel.compile_layers, []
 
