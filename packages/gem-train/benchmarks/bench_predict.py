@@ -6,7 +6,8 @@ checkpoint (weights do not change the speed) predicts ``--rows`` test rows into 
 ``run.cpu_threads`` as given. Also timed apart: making the batches alone, and the model's forward alone on
 batches made beforehand. Wall-clock rates depend on what else runs on the machine (it is shared: the load
 average is recorded); ``*_per_cpu_s`` rates divide by this process's CPU time instead, what one dedicated
-core would do. Writes ``OUT/bench_predict.json``.
+core would do. With ``--compile``, predict also runs with its layers compiled (``run_predict(compile=True)``),
+twice: the first run compiles, the second loads inductor's on-disk caches. Writes ``OUT/bench_predict.json``.
 
     uv run --no-sync python packages/gem-train/benchmarks/bench_predict.py --out runs/bench_predict
 """
@@ -65,6 +66,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=32_768)
     p.add_argument("--threads", type=int, default=1, help="run.cpu_threads (torch intra-op threads)")
     p.add_argument("--models", nargs="+", default=["gem", "mlp"])
+    p.add_argument("--compile", action="store_true", help="also predict with --compile (twice: the first "
+                   "run compiles, the second finds inductor's caches)")  # fmt: skip
     args = p.parse_args()
     from gem_train.checkpoint import read_trainer_state
     from gem_train.config import TrainConfig, apply_overrides, config_from_dict
@@ -88,6 +91,15 @@ def main() -> None:
                 entry["predict_workers0_examples_per_cpu_s"] = args.rows / (time.process_time() - c0)
             if workers == 0:
                 entry.update(_parts(cfg, ckpt, min(args.rows, 8192)))
+            if workers == 0 and args.compile:
+                for attempt in ("first", "second"):
+                    shutil.rmtree(dest, ignore_errors=True)
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    res = run_predict(cfg, ckpt, dest, ("test",), progress=False, compile=True)
+                    key = f"predict_compiled_{attempt}"
+                    entry[f"{key}_seconds_with_warmup"] = time.perf_counter() - t0
+                    entry[f"{key}_examples_per_s"] = res.examples_per_s  # the warm-up included
+                    entry[f"{key}_examples_per_cpu_s"] = args.rows / (time.process_time() - c0)
         results[arch] = entry
         print(arch, json.dumps(entry), flush=True)
     results["load_average_after"] = os.getloadavg()

@@ -1,7 +1,7 @@
 """``gem-train predict``: batch inference of a checkpoint into Parquet shards (gem_train.transfer.predict).
 
     gem-train predict --checkpoint CKPT --out DIR [--split train|valid|test|all] [--embeddings]
-                      [--train-batches N] [--shard-rows N] [key=value ...]
+                      [--train-batches N] [--shard-rows N] [--compile] [key=value ...]
 
 The overrides apply to the checkpoint's config, e.g. ``data.synthetic.window=1`` to score later data with an
 older model, or ``data.parquet.test=[...]`` to score other files.
@@ -43,6 +43,11 @@ def add_parser(sub: Any, count: Any, ov_help: str) -> None:
     )
     p.add_argument("--shard-rows", type=count(1), default=65_536, help="rows per output shard (about)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model's layers (minutes of warm-up the first time; for large splits)",
+    )
     p.add_argument("overrides", nargs="*", help=ov_help + " (applied to the checkpoint's config)")
 
 
@@ -61,6 +66,7 @@ def run(args: argparse.Namespace, checkpoint_config: Any) -> int:
         train_batches=args.train_batches,
         shard_rows=args.shard_rows,
         progress=not args.no_progress,
+        compile=args.compile,
     )
     import torch.distributed as dist
 

@@ -6,7 +6,8 @@ every row's keys, each task's probability and logit and, with ``embeddings``, th
 (:mod:`gem_train.transfer.representation`). Shards are atomic and name the run they belong to
 (:mod:`gem_train.transfer.prediction_files`), so a rerun after a crash writes only the missing ones; rank 0
 writes the manifest once every shard exists. The model runs as it was evaluated in training: its precision
-recipe, and bf16 autocast where ``train.autocast`` gives it (CUDA by default), logits read in fp32.
+recipe, and bf16 autocast where ``train.autocast`` gives it (CUDA by default), logits read in fp32. On the
+CPU, freed host memory stays in the heap (:mod:`gem_train.transfer.heap`: ~1.25x the forward's rate).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from gem_model import GemBatch
 from gem_train.config import TrainConfig, config_to_dict
 from gem_train.data.balance import concat_batches
 from gem_train.loop.distributed import all_gather_object
+from gem_train.transfer.heap import keep_freed_memory
 from gem_train.transfer.prediction_files import (
     PredictionFilesError,
     remove_temporaries,
@@ -258,17 +260,27 @@ def run_predict(
     train_batches: int = 0,
     shard_rows: int = SHARD_ROWS,
     progress: bool = True,
+    compile: bool = False,
 ) -> PredictResult:
     """Predict every row of ``splits`` with the model of ``checkpoint`` (its config is ``cfg``) into
     ``out`` (see the module docstring). Splits the dataset does not have (an empty validation split) are
-    skipped. Every rank of a ``torchrun`` calls it; rank 0 writes the manifest and every rank returns it."""
+    skipped. Every rank of a ``torchrun`` calls it; rank 0 writes the manifest and every rank returns it.
+    ``compile``: the model's layers compiled by :func:`gem_parallel.compile_layers` (dynamic shapes; on the
+    CPU inductor's C++ backend): a warm-up of minutes the first time (cached on disk after), so for large
+    splits."""
     from gem_train.checkpoint import load_checkpoint
     from gem_train.loop.build import build_run
 
     run = build_run(cfg, training=False)
+    if run.device.type == "cpu":
+        keep_freed_memory()  # the CPU forward's MB-sized temporaries reused, not page-faulted in afresh
     state = load_checkpoint(checkpoint, run.model, None, restore_rng=False)
     step = int(state["step"])
     model = run.model.eval()
+    if compile:
+        from gem_parallel import compile_layers
+
+        compile_layers(model)  # in place: parameter names, hooks on the heads and the outputs unchanged
     capture = RepresentationCapture(model) if embeddings else None
     width, what = (capture.width, capture.what) if capture is not None else (0, "")
     out = Path(out)
