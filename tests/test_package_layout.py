@@ -28,7 +28,7 @@ PACKAGES = {
 }
 FAMILIES = {
     "gem_kernels": ("attention", "block", "jagged", "rotary"),
-    "gem_precision": ("mx", "rowwise"),
+    "gem_precision": ("mx", "packed", "rowwise"),
 }
 # Faces that are not op families: the layer, the activation compression and the model conversion.
 OTHER_FACES = {"gem_kernels": set(), "gem_precision": {"linear", "activations", "convert"}}

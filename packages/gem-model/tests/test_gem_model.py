@@ -50,6 +50,26 @@ def test_forward_shapes_and_dtypes():
         assert v.shape == (6,) and v.dtype == torch.float32 and torch.isfinite(v).all()
 
 
+def test_logits_are_tensors_of_their_own_with_the_heads_values():
+    """FSDP2 warns when a wrapped model returns a view (an in-place op on one would skip its pre-backward
+    hook): every task's logits own their memory, in fp32 and under bf16 autocast, and equal the head's
+    ``[B, 1]`` output bit for bit."""
+    config = _config()
+    model = _model(config)
+    batch = gm.random_batch(config.features, 5, seed=1)
+    for ctx in (torch.autocast("cpu", enabled=False), torch.autocast("cpu", dtype=torch.bfloat16)):
+        with ctx:
+            logits = model(batch)
+        for v in logits.values():
+            assert v._base is None and v.dtype == torch.float32
+    z = torch.randn(4, config.d_model * 2)
+    head = gm.model.TaskHead(z.shape[1], (8,), 1e-5)
+    out = head(z)
+    assert out._base is None and torch.equal(
+        out, head.out(head.dropout(torch.nn.functional.silu(head.hidden[0](head.norm(z))))).squeeze(-1)
+    )
+
+
 def test_blocks_shapes():
     config = _config()
     model = _model(config)

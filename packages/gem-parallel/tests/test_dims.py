@@ -76,7 +76,7 @@ def _mesh_worker(rank: int, world_size: int) -> dict:
 
 @pytest.mark.distributed
 def test_meshes_on_four_ranks():
-    out = run_distributed(__file__, "_mesh_worker", world_size=4, timeout_s=60)
+    out = run_distributed(__file__, "_mesh_worker", world_size=4, timeout_s=120)
     d = ParallelDims(dp_replicate=2, ep=2, sparse_group=2, world_size=4)
     for rank, groups in enumerate(out):
         c = d.dense_coordinates(rank)

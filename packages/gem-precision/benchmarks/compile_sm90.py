@@ -1,15 +1,15 @@
 """Compiles every Triton kernel of gem-precision for sm_90 (Hopper) as its launchers launch it, offline.
 
 Each launcher (``to_mx_triton``, ``mx_mm_triton``, ``dequantize_triton``, ``quantize_rowwise_triton``,
-``quantize_tiles_triton``) runs on CPU tensors with the kernels' launches recorded instead of run
-(``JITFunction.run`` patched); each recorded launch is compiled with ``triton.compile`` for
-``GPUTarget("cuda", 90, 32)``: the launch's argument types (tensor dtypes, ``i32``/``i64`` ints, ``fp32``
-floats), its constexprs, ``num_warps``/``num_stages``, and the JIT's divisibility-by-16 hints. Launchers run
-with ``TRITON_INTERPRET`` unset, so they pick their GPU tiles and the hardware FP8 cast. Prints one line
-per kernel (shared memory, registers and spills from Triton's ptxas with ``--regs``); ``--ptx-dir DIR``
-writes each kernel's PTX without debug information (``.loc``/``.file`` lines, ``$L__tmp`` labels, the DWARF
-sections), so that a change of the kernels' source or layout can be shown to leave the generated code as it
-was (``diff -r BEFORE AFTER``).
+``quantize_tiles_triton``, ``quantize_packed_triton``, ``dequantize_packed_triton``) runs on CPU tensors with
+the kernels' launches recorded instead of run (``JITFunction.run`` patched); each recorded launch is compiled
+with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``: the launch's argument types (tensor dtypes,
+``i32``/``i64`` ints, ``fp32`` floats), its constexprs, ``num_warps``/``num_stages``, and the JIT's
+divisibility-by-16 hints. Launchers run with ``TRITON_INTERPRET`` unset, so they pick their GPU tiles and the
+hardware FP8 cast. Prints one line per kernel (shared memory, registers and spills from Triton's ptxas with
+``--regs``); ``--ptx-dir DIR`` writes each kernel's PTX without debug information (``.loc``/``.file`` lines,
+``$L__tmp`` labels, the DWARF sections), so that a change of the kernels' source or layout can be shown to
+leave the generated code as it was (``diff -r BEFORE AFTER``).
 
     export PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':')
     python packages/gem-precision/benchmarks/compile_sm90.py [--ptx-dir DIR] [--regs]
@@ -37,6 +37,8 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 from gem_precision.formats import E4M3, E5M2
 from gem_precision.mx import to_mx
 from gem_precision.mx import triton as mx_triton
+from gem_precision.packed import packed_width
+from gem_precision.packed import triton as packed_triton
 from gem_precision.rowwise import triton as rowwise_triton
 
 _PTR_TYPES = {
@@ -130,7 +132,8 @@ def launches() -> list[Launch]:
     """Every kernel at representative settings: the MX quantizer in each layout (nearest and stochastic,
     rceil and floor, E4M3 and E5M2, with a Hadamard transform), the GEMM's two variants, the dequantizer
     (blocked along either axis, square), the row-wise quantizer, the tiled two-pass column quantizer (with
-    and without the row-wise copy) and the legacy column kernels."""
+    and without the row-wise copy), the legacy column kernels, and the packed-row quantizers and dequantizer
+    of the 8-bit all-gather (fp32 master shards in, bf16 weights out)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 512, generator=g).to(torch.bfloat16)
     h = torch.eye(32)
@@ -189,6 +192,20 @@ def launches() -> list[Launch]:
             f"legacy col {fmt.dtype}",
             lambda fmt=fmt: rowwise_triton.quantize_rowwise_triton(
                 x, fmt, transpose=True, k_multiple=16, col_impl="legacy"
+            ),
+        )
+    w = torch.randn(256, 512, generator=g)
+    for fmt in ("fp8", "mxfp8"):
+        width = packed_width(512, fmt)
+        out += record(
+            f"pack {fmt}",
+            lambda fmt=fmt, width=width: packed_triton.quantize_packed_triton(w, fmt, width),
+        )
+        packed = torch.zeros(256, width, dtype=torch.uint8)
+        out += record(
+            f"unpack {fmt}",
+            lambda fmt=fmt, packed=packed: packed_triton.dequantize_packed_triton(
+                packed, 512, fmt, torch.empty(256, 512, dtype=torch.bfloat16)
             ),
         )
     return out

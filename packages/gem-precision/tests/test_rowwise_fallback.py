@@ -126,8 +126,26 @@ def test_op_schema_fake_and_dispatch():
     for m, k, n, a_t in ((32, 48, 64, False), (4, 37, 16, True), (20, 21, 40, False)):
         a = torch.randn(k, m) if a_t else torch.randn(m, k)
         b = torch.randn(n, k)
-        args = (a, b, a_t, False, torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, True)
+        args = (
+            a,
+            b,
+            a_t,
+            False,
+            torch.float8_e4m3fn,
+            torch.float8_e4m3fn,
+            torch.float32,
+            True,
+            "0.0",
+            None,
+            None,
+        )
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    # With the roofline's per-call rule and a pre-quantized B (a cached weight cast). (test_schema compares
+    # the inputs before and after with arithmetic that FP8 tensors do not have on the CPU.)
+    a, b = torch.randn(32, 48), torch.randn(64, 48)
+    qb, sb = quantize_rowwise(b, k_multiple=16)
+    args = (a, b, False, False, torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, True, "1.1", qb, sb)
+    torch.library.opcheck(op, args, test_utils=("test_faketensor",))
 
 
 def test_converted_model_with_odd_layers_trains():
@@ -252,7 +270,7 @@ def test_fused_backward_checks_and_opcheck():
     op = torch.ops.gem_precision.fp8_rowwise_dgrad_wgrad.default
     for m, n, k in ((37, 48, 64), (4, 16, 32), (20, 40, 21)):
         args = (torch.randn(m, n), torch.randn(n, k), torch.randn(m, k), torch.float8_e4m3fn,
-                torch.float8_e4m3fn, torch.float32, True)  # fmt: skip
+                torch.float8_e4m3fn, torch.float32, True, "0.0")  # fmt: skip
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     x = torch.randn(37, 21)
     rd, rs, cd, cs = quantize_rowwise_both(x, torch.float8_e5m2, row_k_multiple=16, col_k_multiple=16)

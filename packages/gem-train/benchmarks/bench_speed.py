@@ -18,7 +18,11 @@ dynamic, caches in ``$GEM_COMPILE_CACHE`` or ``~/.cache/gem/compile``), then
   (copies one step ahead on a side stream), as the training loop gets them: its step time against the resident
   batches';
 - a profile of ``--profile-steps`` steps: the share of GPU time by kernel kind (GEMM, FP8 quantization,
-  attention, inductor-fused, embeddings, copies, other).
+  attention, inductor-fused, embeddings, copies, other);
+- with ``--cuda-graphs [RECIPES]`` (CUDA; default bf16): the same step padded to bucketed jagged sizes and
+  replayed as one CUDA graph per bucket, against the step above and the padded step launched kernel by kernel
+  (``benchmarks/graph_steps.py``). Put those recipes last in ``--recipes``: a capture that fails may leave
+  the device unusable for the recipes after it.
 
 Prints a table and writes ``DIR/bench_speed.json`` (rewritten after each recipe, so a run cut short keeps
 what it measured). On the CPU (``--config tiny``) it runs the same code with the ``aot_eager`` backend: a
@@ -205,6 +209,29 @@ def run_recipe(
     if args.profile_steps > 0:
         out["profile"] = profile(step, args.profile_steps, device)
         drain()
+    if recipe in args.cuda_graphs.split(",") and device.type == "cuda":
+        from graph_steps import measure_cuda_graphs  # this folder (the script's) is on sys.path
+
+        drain()
+        try:
+            g = measure_cuda_graphs(run, batches, flops, args.steps, device)
+        except Exception as e:  # a capture that fails is a result: report it, keep the recipe's numbers
+            import traceback
+
+            out["cuda_graphs"] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
+            print(f"{recipe}: cuda graphs FAILED: {type(e).__name__}: {e}", flush=True)
+            return out
+        g["speedup_vs_step"] = out["step_ms_mean"] / g["graph_ms"]
+        g["padded_eager_vs_step"] = out["step_ms_mean"] / g["eager_padded_ms"]
+        out["cuda_graphs"] = g
+        print(f"{recipe}: cuda graphs {g['graph_ms']:.1f} ms/step ({g['speedup_vs_step']:.2f}x the step's "
+              f"{out['step_ms_mean']:.1f} ms; padded, kernel by kernel: {g['eager_padded_ms']:.1f} ms); "
+              f"buckets {g['buckets']}, padding {g['padding_on_these_batches']['padded_events']:.1%}, "
+              f"{g['graph_stats']['captures']} captures in {g['graph_stats']['capture_s']:.1f} s, "
+              f"pool {g['graph_pool_gib']:.1f} GiB", flush=True)  # fmt: skip
     return out
 
 
@@ -321,6 +348,14 @@ def main(argv: list[str] | None = None) -> int:
         help="true: jagged sizes symbolic from the first compile; auto: torch's automatic dynamic",
     )
     p.add_argument("--sync-each-step", action="store_true", help="synchronize after every timed step")
+    p.add_argument(
+        "--cuda-graphs",
+        nargs="?",
+        const="bf16",
+        default="",
+        help="for these recipes (comma-separated; the flag alone: bf16), also the step replayed as CUDA "
+        "graphs over bucketed jagged sizes (benchmarks/graph_steps.py), after its other measurements",
+    )
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     args = p.parse_args(argv)
     if args.steps < 1 or args.distinct < 1:

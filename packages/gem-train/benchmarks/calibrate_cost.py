@@ -5,9 +5,9 @@ Each batch is a ``gem_model.random_batch`` of ``--batch-size`` users whose log-n
 their own median (``max_len / 64`` to ``max_len / 2.5``) and sigma (0.2 to 1.5), so that sum(L) and sum(L**2)
 vary independently enough to separate a from b. Every batch runs once untimed (kernels compile and
 autotune for its shapes), then ``--repeats`` times timed; its time is the median. The fit (least squares,
-:func:`gem_parallel.balance.fit_mix_cost`), its R**2 and every measured point go to
-``DIR/cost_<config>_<device>.json``, the file the simulator reads with ``--cost-file`` (and the shuffler with
-``cost=PATH``). Ship a fit as the default by copying it to
+:func:`gem_parallel.balance.fit_mix_cost`), its R**2, the fit through the origin (``c = 0``) and every
+measured point go to ``DIR/cost_<config>_<device>.json``, the file the simulator reads with ``--cost-file``
+(and the shuffler with ``cost=PATH``). Ship a fit as the default by copying it to
 ``packages/gem-parallel/src/gem_parallel/balance/data/cost_default.json``.
 
 Usage (H200, ~1-2 min; PYTHONPATH must hold packages/*/src):
@@ -134,8 +134,12 @@ def main() -> None:
         "autocast": "bf16" if device == "cuda" else "off", "points": points,
         "model": "a * sum(L) + b * sum(L^2) + c per batch of batch_size users; L = merged history length",
     }  # fmt: skip
-    model_fit, r2 = fit_mix_cost([p["sum_len"] for p in points], [p["sum_len2"] for p in points],
-                                 [p["ms"] for p in points], units="ms", meta=meta)  # fmt: skip
+    cols = ([p["sum_len"] for p in points], [p["sum_len2"] for p in points], [p["ms"] for p in points])
+    # The same points through the origin (c = 0): how much of the step the lengths explain on their own
+    # (cost_fit_report.py prints both from any stored file).
+    bare, bare_r2 = fit_mix_cost(*cols, constant=False)
+    meta["fit_without_constant"] = {"a": bare.a, "b": bare.b, "r2": bare_r2}
+    model_fit, r2 = fit_mix_cost(*cols, units="ms", meta=meta)
     out = Path(args.out) / f"cost_{args.config}_{device}.json"
     model_fit.to_json(out)
     pred = [model_fit.a * p["sum_len"] + model_fit.b * p["sum_len2"] + model_fit.c for p in points]
@@ -144,6 +148,7 @@ def main() -> None:
         f"\nfit: a = {model_fit.a:.4g} ms/token, b = {model_fit.b:.4g} ms/token^2, c = {model_fit.c:.4g} ms"
     )
     print(f"R^2 = {r2:.4f} over {len(points)} batches; worst relative error {worst:.1%}")
+    print(f"without c: a = {bare.a:.4g}, b = {bare.b:.4g}, R^2 = {bare_r2:.4f} (what lengths explain alone)")
     print(f"wrote {out} ({time.perf_counter() - t_start:.0f} s)")
 
 

@@ -1,5 +1,6 @@
 """The typed config system: shipped configs, overrides, errors naming the key, TOML round trip."""
 
+import importlib.resources
 import tomllib
 
 import pytest
@@ -23,6 +24,13 @@ def test_shipped_configs_load_and_round_trip(name):
     assert isinstance(cfg, TrainConfig)
     again = config_from_dict(TrainConfig, tomllib.loads(dumps_toml(config_to_dict(cfg))))
     assert again == cfg
+
+
+def test_shipped_configs_name_every_toml_file_of_the_folder():
+    """The names live apart from the files (the command line lists them without the schema): no drift."""
+    folder = importlib.resources.files("gem_train").joinpath("configs")
+    files = {f.name.removesuffix(".toml") for f in folder.iterdir() if f.name.endswith(".toml")}
+    assert set(SHIPPED_CONFIGS) == files and len(SHIPPED_CONFIGS) == len(files)
 
 
 def test_default_is_tiny_cpu():

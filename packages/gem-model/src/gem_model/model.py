@@ -291,7 +291,9 @@ class TaskHead(nn.Module):
         z = self.norm(z)
         for linear in self.hidden:
             z = self.dropout(F.silu(linear(z)))
-        return self.out(z).squeeze(-1).float()
+        # A tensor of its own, never a view of the [B, 1] output (bit-identical values): FSDP2 warns when a
+        # wrapped model returns a view, since an in-place op on one would skip its pre-backward hook.
+        return self.out(z).squeeze(-1).to(torch.float32, copy=True)
 
 
 class GemModel(nn.Module):

@@ -5,13 +5,16 @@ a tensor subclass that FSDP2 recognises by its extension points:
 
 - ``fsdp_pre_all_gather``: the rank's shard (fp32 master rows ``[R/s, K]``) is quantized to E4M3 and
   handed to the all-gather as ``uint8`` rows (gloo has no float8 type; NCCL moves bytes either way), each
-  followed by its scale bytes. "fp8": one fp32 scale per row (gem-precision ``quantize_rowwise``).
-  "mxfp8": one E8M0 scale per 32 elements along K (gem-precision ``to_mx``). FSDP2 shards dim 0 (rows),
-  so row scales and K-blocks never cross a shard boundary: no rank needs another's data to quantize,
-  and the gathered payload is exactly the quantization of the whole weight.
+  followed by its scale bytes: gem-precision's packed rows (``gem_precision.packed.quantize_packed``, one
+  Triton launch per shard on CUDA, the PyTorch reference elsewhere). "fp8": one fp32 scale per row (the
+  bytes of ``quantize_rowwise``). "mxfp8": one E8M0 scale per 32 elements along K (the bytes of
+  ``to_mx``). FSDP2 shards dim 0 (rows), so row scales and K-blocks never cross a shard boundary: no rank
+  needs another's data to quantize, and the gathered payload is exactly the quantization of the whole
+  weight.
 - ``fsdp_post_all_gather``: the gathered bytes are dequantized into the unsharded weight in FSDP's
-  ``param_dtype``. Backward sees that weight as it is (the straight-through estimator of torchao's
-  float8 all-gather); gradients reduce-scatter in ``reduce_dtype`` into the fp32 master as usual.
+  ``param_dtype`` (``dequantize_packed``: one launch, straight into FSDP's buffer when it reuses one).
+  Backward sees that weight as it is (the straight-through estimator of torchao's float8 all-gather);
+  gradients reduce-scatter in ``reduce_dtype`` into the fp32 master as usual.
 
 Bytes per element gathered: 1 + 4/K ("fp8") or 1 + 1/32 ("mxfp8"), against 2 for bf16.
 
@@ -30,7 +33,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from gem_precision import MXTensor, quantize_rowwise, to_mx
+from gem_precision import MXTensor
+from gem_precision.packed import dequantize_packed, quantize_packed
 
 __all__ = [
     "MX_BLOCK",
@@ -119,16 +123,9 @@ class QuantizedAllGatherWeight(torch.Tensor):
     ) -> tuple[tuple[torch.Tensor, ...], None]:
         """Quantize this rank's shard ``[r, K]`` into one ``uint8 [r, K + s]`` all-gather input: each row's
         K E4M3 bytes followed by its ``s`` scale bytes (fp32 row scale: ``s = 4``; E8M0 block scales:
-        ``s = K / 32``). One input keeps rows and their scales together, whatever FSDP2's path (its
-        one-rank path copies a single input)."""
-        shard = self._tensor
-        if self._fmt == "fp8":
-            data, scale = quantize_rowwise(shard, _E4M3)
-        else:
-            mx = to_mx(shard, axis=-1, block_size=MX_BLOCK, elem_dtype=_E4M3, scale_mode="rceil")
-            data, scale = mx.data, mx.scale
-        scale_bytes = scale.contiguous().view(torch.uint8).reshape(shard.shape[0], -1)
-        return (torch.cat([data.view(torch.uint8), scale_bytes], dim=1),), None
+        ``s = K / 32``), gem-precision's packed rows (one Triton launch on CUDA). One input keeps rows and
+        their scales together, whatever FSDP2's path (its one-rank path copies a single input)."""
+        return (quantize_packed(self._tensor, self._fmt),), None
 
     def fsdp_post_all_gather(
         self,
@@ -139,18 +136,16 @@ class QuantizedAllGatherWeight(torch.Tensor):
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         """Dequantize the gathered rows ``uint8 [N, K + s]`` into the unsharded weight ``[N, K]`` of
-        ``param_dtype`` (written into ``out`` when FSDP reuses its buffer)."""
+        ``param_dtype`` (written into ``out`` when FSDP reuses its buffer: one launch on CUDA)."""
         (packed,) = all_gather_outputs
         k = self.shape[1]
-        data, scale_bytes = packed[:, :k], packed[:, k:].contiguous()
-        scale = scale_bytes.view(torch.float32) if self._fmt == "fp8" else scale_bytes
-        weight = dequantize_gathered(data, scale, self._fmt, param_dtype)
         if out is not None:
             # FSDP re-gathers into the buffer backward saved from forward: the same values, so the
             # version counter must not move (as FSDP2's own copy-out does).
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-                out.copy_(weight)
+                dequantize_packed(packed, k, self._fmt, out=out)
             return None
+        weight = dequantize_packed(packed, k, self._fmt, param_dtype)
         return weight, (weight,)
 
 
@@ -158,7 +153,8 @@ def dequantize_gathered(
     data: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype
 ) -> torch.Tensor:
     """The weight ``[N, K]`` of ``dtype`` from E4M3 bytes ``data [N, K]`` uint8 and ``scale`` (fp32
-    ``[N, 1]`` for "fp8", uint8 E8M0 ``[N, K/32]`` for "mxfp8")."""
+    ``[N, 1]`` for "fp8", uint8 E8M0 ``[N, K/32]`` for "mxfp8"): what :meth:`QuantizedAllGatherWeight.
+    fsdp_post_all_gather` gives for those rows (a test oracle, from the unpacked quantizer outputs)."""
     values = data.view(_E4M3)
     if fmt == "fp8":
         return (values.to(torch.float32) * scale).to(dtype)

@@ -50,9 +50,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["LocalExperts", "apply_expert_parallel", "expert_ensembles", "local_expert_indices"]
 
-# torch >= 2.13 renamed these; 2.11 has only the old names.
+# torch >= 2.13 renamed these (and deprecates the old c10d name with a warning per call); 2.11 has only the
+# old names.
 _all_gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
 _reduce_scatter = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class LocalExperts(nn.ModuleDict):
@@ -121,9 +123,7 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
 
 def _group_batch_sizes(b: int, mesh: DeviceMesh, device: torch.device) -> list[int]:
     sizes = torch.empty(mesh.size(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(
-        sizes, torch.tensor([b], dtype=torch.int64, device=device), group=mesh.get_group()
-    )
+    _all_gather_into(sizes, torch.tensor([b], dtype=torch.int64, device=device), group=mesh.get_group())
     return sizes.tolist()
 
 

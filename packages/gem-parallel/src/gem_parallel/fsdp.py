@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import cast
 
@@ -28,7 +29,14 @@ __all__ = ["apply_fsdp", "dense_fsdp_mesh", "expert_fsdp_mesh", "mixed_precision
 
 def dense_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """The mesh dense parameters are sharded on: ``(dp_replicate, dp_shard)`` (HSDP) or ``(dp_shard,)``."""
-    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    # dp_shard is a flattened axis: its 1-D mesh is the one flattening made (flattening again with the same
+    # name returns it), not a slice of the root mesh, which torch deprecates with a warning on every run.
+    if dims.dp_replicate == 1:
+        return mesh["efsdp", "ep"]._flatten("dp_shard")
+    # (dp_replicate, flattened dp_shard) has no other spelling in torch 2.11-2.13 than this slice.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+        return mesh["dp_replicate", "dp_shard"]
 
 
 def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

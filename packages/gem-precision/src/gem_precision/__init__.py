@@ -12,6 +12,7 @@ from gem_precision.rowwise import (
     quantize_rowwise,
     quantize_rowwise_both,
 )
+from gem_precision.weight_cache import cache_fp8_weights, invalidate_fp8_weights
 
 __version__ = "0.1.0"
 
@@ -19,12 +20,14 @@ __all__ = [
     "MXFP8Linear",
     "MXTensor",
     "Recipe",
+    "cache_fp8_weights",
     "compress_saved_activations",
     "convert",
     "default_skip",
     "fp8_rowwise_dgrad_wgrad",
     "fp8_rowwise_mm",
     "get_backend",
+    "invalidate_fp8_weights",
     "mx_mm",
     "quantize_rowwise",
     "quantize_rowwise_both",

@@ -69,3 +69,24 @@ def e8m0_to_f32(s):
     bits = tl.where(s == 0, 0x400000, s << 23)
     bits = tl.where(s == 255, 0x7FC00000, bits)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mx_block_quantize(x3, amax_bits, nonfinite, r, EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC, NATIVE):
+    """MX-quantize fp32 values ``x3`` with per-block int32 ``amax_bits`` (``|x|`` bits of each block's
+    maximum, broadcastable to ``x3``); ``nonfinite`` marks blocks holding a NaN or Inf. Shared by
+    :mod:`.mx.triton` and :mod:`.packed.triton`.
+
+    Returns ``(data bits int32 like x3, scale bytes int32 like amax_bits)``.
+    """
+    e = (amax_bits >> 23) - 127 - EMAX
+    if RCEIL:
+        e += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # amax > 1.75 * 2**k: one more
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact (-e in [-120, 127])
+    v = x3 * inv_scale
+    v = tl.minimum(tl.maximum(v, -MAXV), MAXV)
+    bits = fp8_bits(v, r, MBITS, BIAS, STOCHASTIC, NATIVE)
+    bits = tl.where(nonfinite, NANB, bits)
+    scale = tl.where(nonfinite, 255, e + 127)
+    return bits, scale

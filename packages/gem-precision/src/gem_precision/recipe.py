@@ -9,7 +9,12 @@ from typing import Any
 import torch
 
 from gem_precision.formats import SCALE_MODES, check_block_size, elem_format
+from gem_precision.roofline import AUTO_MIN_SPEEDUP, H200, fp8_gemm_speedup
 from gem_precision.rowwise import MIN_FP8_DIM, rowwise_fallback
+
+# for_layer's token count for "can this GEMM ever pay": the roofline's speed-up grows with the tokens (the
+# casts' fixed costs amortize), so this is its limit for any batch a GPU holds.
+_MANY_TOKENS = 1 << 24
 
 GEMM_FORMATS = ("mxfp8", "fp8_rowwise", "bf16")
 
@@ -48,6 +53,13 @@ class Recipe:
             DeepSeek-V3 report) instead of promoting to fp32, and wgrad's K is the token count (~10^5 on
             base-h200). With it on for all three GEMMs, base-h200's 2,000-step test CTR NE was 3.1% worse
             than bf16's (gem-train BENCHMARKS.md).
+        fp8_min_speedup: 0 (default): every ``fp8_rowwise`` GEMM whose shape FP8 can take runs in FP8.
+            > 0: only those the stated roofline (:mod:`gem_precision.roofline`) predicts at least this much
+            faster than bf16, decided per GEMM: once per layer for any token count (:meth:`for_layer`, on
+            the H200's rates, the most favourable known device: a GEMM that cannot pay there at any token
+            count runs bf16 from the start), and per call on the device's rates with the call's token count
+            (``fp8_rowwise_mm``'s ``min_speedup``). ``Recipe.fp8_rowwise(auto_fallback=True)`` sets
+            :data:`gem_precision.roofline.AUTO_MIN_SPEEDUP`.
         block_size: MX block size.
     """
 
@@ -63,6 +75,7 @@ class Recipe:
     square_blocks: bool = False
     fp8_fast_accum: bool = True
     fp8_fast_accum_backward: bool = False
+    fp8_min_speedup: float = 0.0
     block_size: int = 32
 
     def __post_init__(self) -> None:
@@ -76,6 +89,9 @@ class Recipe:
         check_block_size("Recipe", self.block_size)
         if self.hadamard and self.square_blocks:
             raise ValueError("Recipe: hadamard and square_blocks cannot be combined")
+        s = self.fp8_min_speedup
+        if isinstance(s, bool) or not isinstance(s, int | float) or not s >= 0:
+            raise ValueError(f"Recipe.fp8_min_speedup must be a number >= 0, got {s!r}")
 
     @property
     def gemms(self) -> tuple[str, str, str]:
@@ -86,7 +102,8 @@ class Recipe:
 
         The layer's GEMMs are forward ``[T, in] @ [in, out]``, dgrad ``[T, out] @ [out, in]`` and wgrad
         ``[out, T] @ [T, in]`` (T tokens, known only per call: :func:`~gem_precision.rowwise.fp8_rowwise_mm`
-        decides on it then). See :func:`~gem_precision.rowwise.rowwise_fallback` for the rule.
+        decides on it then). See :func:`~gem_precision.rowwise.rowwise_fallback` for the rule; with
+        ``fp8_min_speedup`` also the GEMMs no token count makes pay (:meth:`gemm_speedups`).
         """
         t = MIN_FP8_DIM  # any token count the per-call rule accepts
         shapes = {
@@ -94,12 +111,29 @@ class Recipe:
             "dgrad": (t, out_features, in_features),
             "wgrad": (out_features, t, in_features),
         }
+        best = self.gemm_speedups(in_features, out_features) if self.fp8_min_speedup > 0 else {}
         changes: dict[str, Any] = {
             name: "bf16"
             for name, (m, k, n) in shapes.items()
-            if getattr(self, name) == "fp8_rowwise" and rowwise_fallback(m, k, n) is not None
+            if getattr(self, name) == "fp8_rowwise"
+            and (rowwise_fallback(m, k, n) is not None or best.get(name, 1e9) < self.fp8_min_speedup)
         }
         return dataclasses.replace(self, **changes) if changes else self
+
+    def gemm_speedups(
+        self, in_features: int, out_features: int, tokens: int = _MANY_TOKENS
+    ) -> dict[str, float]:
+        """The roofline's predicted fp8_rowwise speed-up of each GEMM of a layer at ``tokens`` tokens on the
+        H200's rates (:func:`gem_precision.roofline.fp8_gemm_speedup`; default: the limit for large
+        batches). Forward casts x and w row-wise; dgrad dy row-wise and w column-wise; wgrad dy and x
+        column-wise; dgrad and wgrad accumulate precisely unless ``fp8_fast_accum_backward``."""
+        i, o, t = in_features, out_features, tokens
+        p = not self.fp8_fast_accum_backward
+        return {
+            "forward": fp8_gemm_speedup(t, i, o, precise=not self.fp8_fast_accum, rates=H200),
+            "dgrad": fp8_gemm_speedup(t, o, i, b_col=True, precise=p, rates=H200),
+            "wgrad": fp8_gemm_speedup(o, t, i, a_col=True, b_col=True, precise=p, rates=H200),
+        }
 
     @classmethod
     def mxfp8(cls, **overrides: Any) -> Recipe:
@@ -113,9 +147,14 @@ class Recipe:
         return cls(**{"wgrad": "mxfp8", **overrides})
 
     @classmethod
-    def fp8_rowwise(cls, **overrides: Any) -> Recipe:
-        """All three GEMMs in FP8 with per-row scales (the Hopper-speed recipe)."""
-        return cls(**{"forward": "fp8_rowwise", "dgrad": "fp8_rowwise", "wgrad": "fp8_rowwise", **overrides})
+    def fp8_rowwise(cls, auto_fallback: bool = False, **overrides: Any) -> Recipe:
+        """All three GEMMs in FP8 with per-row scales (the Hopper-speed recipe); ``auto_fallback``: each
+        only where the roofline predicts it pays (``fp8_min_speedup`` = ``AUTO_MIN_SPEEDUP``), bf16
+        elsewhere, so the recipe never runs a GEMM it expects to lose on."""
+        auto = {"fp8_min_speedup": AUTO_MIN_SPEEDUP} if auto_fallback else {}
+        return cls(
+            **{"forward": "fp8_rowwise", "dgrad": "fp8_rowwise", "wgrad": "fp8_rowwise", **auto, **overrides}
+        )
 
     @classmethod
     def bf16(cls) -> Recipe:

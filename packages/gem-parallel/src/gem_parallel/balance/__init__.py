@@ -18,9 +18,10 @@ from gem_parallel.balance.cost import (
 )
 from gem_parallel.balance.global_balancer import ExchangePlan, GlobalBalancer
 from gem_parallel.balance.partition import karmarkar_karp, part_sums, refine_partition
-from gem_parallel.balance.shuffler import POLICIES, BaseBatchShuffler
+from gem_parallel.balance.shuffler import MIN_POOL_SAMPLES, POLICIES, BaseBatchShuffler, default_pool_batches
 
 __all__ = [
+    "MIN_POOL_SAMPLES",
     "POLICIES",
     "AttentionCost",
     "BaseBatchShuffler",
@@ -30,6 +31,7 @@ __all__ = [
     "LinearCost",
     "MixCost",
     "default_cost_file",
+    "default_pool_batches",
     "fit_mix_cost",
     "get_cost_model",
     "karmarkar_karp",

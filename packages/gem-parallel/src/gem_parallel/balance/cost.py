@@ -168,7 +168,13 @@ class MixCost:
 
 
 def fit_mix_cost(
-    sum_len: Any, sum_len2: Any, times: Any, *, units: str = "ms", meta: dict[str, Any] | None = None
+    sum_len: Any,
+    sum_len2: Any,
+    times: Any,
+    *,
+    units: str = "ms",
+    meta: dict[str, Any] | None = None,
+    constant: bool = True,
 ) -> tuple[MixCost, float]:
     """Least-squares fit of ``times ~ a * sum_len + b * sum_len2 + c`` over N measured batches.
 
@@ -176,10 +182,13 @@ def fit_mix_cost(
         sum_len: ``[N]`` sum of merged lengths of each batch.
         sum_len2: ``[N]`` sum of squared merged lengths of each batch.
         times: ``[N]`` measured step times.
+        constant: fit ``c``; ``False`` fits ``a * sum_len + b * sum_len2`` through the origin (``c = 0``):
+            how much of the step time the lengths explain on their own.
 
     Returns:
         The fitted :class:`MixCost` (negative a or b, which noise can give when a term is negligible, are
-        refitted with that term removed) and the fit's R**2 on the N points.
+        refitted with that term removed) and the fit's R**2 on the N points (against the mean time, also
+        without a constant, so that both fits are scored alike).
     """
     x1, x2, y = (torch.as_tensor(v, dtype=torch.float64).flatten() for v in (sum_len, sum_len2, times))
     n = y.numel()
@@ -192,10 +201,10 @@ def fit_mix_cost(
         raise ValueError("fit_mix_cost: inputs hold NaN or inf")
     # Scale columns to unit size before solving: sum(L^2) is ~1e4 x sum(L), which would hurt the conditioning.
     cols = {"a": x1, "b": x2}
-    coef = _lstsq(cols, y)
+    coef = _lstsq(cols, y, constant)
     for k in ("a", "b"):
         if coef[k] < 0:  # a term the data cannot see: drop it rather than report a negative cost
-            coef = _lstsq({j: v for j, v in cols.items() if j != k}, y)
+            coef = _lstsq({j: v for j, v in cols.items() if j != k}, y, constant)
             coef[k] = 0.0
     pred = coef["a"] * x1 + coef["b"] * x2 + coef["c"]
     ss_res = float((y - pred).square().sum())
@@ -205,13 +214,14 @@ def fit_mix_cost(
     return model, r2
 
 
-def _lstsq(cols: dict[str, torch.Tensor], y: torch.Tensor) -> dict[str, float]:
+def _lstsq(cols: dict[str, torch.Tensor], y: torch.Tensor, constant: bool = True) -> dict[str, float]:
     names = list(cols)
     scales = [float(cols[k].abs().max()) or 1.0 for k in names]
-    x = torch.stack([cols[k] / s for k, s in zip(names, scales, strict=True)] + [torch.ones_like(y)], dim=1)
+    ones = [torch.ones_like(y)] if constant else []
+    x = torch.stack([cols[k] / s for k, s in zip(names, scales, strict=True)] + ones, dim=1)
     sol = torch.linalg.lstsq(x, y[:, None]).solution[:, 0]
     out = {k: float(sol[i]) / scales[i] for i, k in enumerate(names)}
-    out["c"] = float(sol[-1])
+    out["c"] = float(sol[-1]) if constant else 0.0
     return out
 
 

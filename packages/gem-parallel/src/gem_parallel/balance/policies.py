@@ -11,17 +11,26 @@ pool's mean (which itself differs between ranks by the pool's sampling noise):
 - ``"lpt"``: longest processing time first: heaviest first, each to the lightest batch not yet full.
 - ``"snake"``: serpentine over the sorted pool (0, 1, .., m-1, m-1, .., 0, ...).
 
-The sliding policy (:func:`sliding_select`) builds one batch at a time from a pool that is refilled after
-every batch. Its target is the rank's running mean cost (the same on every rank in the long run, since every
-rank reads the same distribution) plus a fraction ``feedback`` of the pool's excess over that mean: the pool
-is a buffer that absorbs each rank's sampling noise instead of passing it on to the batch.
+The one-batch-at-a-time policies build each batch from a pool that is refilled after every batch, with
+:func:`sliding_select` picking ``b`` samples whose cost sum is close to a target. They differ in the target
+(``level``: the expected cost of a sample, the same on every rank; ``excess``: the pool's cost above ``level``
+times its size):
+
+- ``"sliding"``: ``b * level + feedback * excess``. The batch's deviation is proportional to the pool's, so
+  its spread over ranks is about ``sqrt(feedback / 2)`` of random batches', in both directions.
+- ``"capped"`` (:func:`capped_target`): the same, but never above ``(1 + headroom) * b * level``. When the
+  stream brings more than that, the rest waits in the pool (a queue that drains by up to ``headroom * b *
+  level`` per batch), so the heaviest of many ranks is bounded by the cap instead of by the tail of a spread
+  (which, with small batches and heavy-tailed lengths, the pool cannot absorb at a small ``feedback``).
+  Samples waiting ``soft_wait`` batches or more are taken first, oldest first, while they fit under the
+  target (:func:`take_overdue`), which bounds every sample's wait without pushing a batch over its cap.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["POOL_POLICIES", "plan_pool", "sliding_select"]
+__all__ = ["POOL_POLICIES", "capped_target", "plan_pool", "sliding_select", "take_overdue"]
 
 POOL_POLICIES = ("random", "pair", "lpt", "snake")
 _TILT = 5.0  # exp(5) ~ 150: the tilt's ends are close to "the b lightest" and "the b heaviest"
@@ -211,3 +220,72 @@ def sliding_select(
     out = torch.zeros((r, p), dtype=torch.bool)
     out.scatter_(1, order, picked)
     return out | forced
+
+
+def capped_target(
+    level: torch.Tensor, excess: torch.Tensor, b: int, headroom: float, feedback: float
+) -> torch.Tensor:
+    """Target cost sum of the ``"capped"`` policy: the ``"sliding"`` target, never above the cap.
+
+    Args:
+        level: ``[R]`` float64 expected cost of a sample (known, or the rank's running mean).
+        excess: ``[R]`` float64 the pool's cost minus ``level`` times its number of samples.
+        b: samples per batch.
+        headroom: the cap is ``(1 + headroom) * b * level``.
+        feedback: share of the pool's excess (or deficit) passed on to one batch.
+
+    Returns:
+        ``[R]`` float64 ``b * level + min(feedback * excess, headroom * b * level)``.
+    """
+    base = b * level
+    return base + torch.minimum(feedback * excess, headroom * base)
+
+
+def take_overdue(
+    costs: torch.Tensor,
+    valid: torch.Tensor,
+    forced: torch.Tensor,
+    age: torch.Tensor,
+    b: int,
+    target: torch.Tensor,
+    soft_wait: int,
+) -> torch.Tensor:
+    """``forced`` plus the samples that have waited ``soft_wait`` batches or more, oldest first (lighter first
+    within an age), for as long as each one still fits: the forced samples, the overdue ones taken so far and
+    the lightest possible completion of the batch from the other samples stay at or below ``target``.
+
+    Args:
+        costs, valid, forced: ``[R, P]`` as for :func:`sliding_select`.
+        age: ``[R, P]`` int64 batches each sample has waited.
+        b: samples per batch.
+        target: ``[R]`` float64 wanted cost sum.
+        soft_wait: age from which a sample is taken first.
+
+    Returns:
+        ``[R, P]`` bool: the samples :func:`sliding_select` must take (at most ``b`` more than ``forced`` per
+        row only if ``forced`` already held more).
+    """
+    forced = forced & valid
+    due = valid & ~forced & (age >= soft_wait)
+    if not bool(due.any()):
+        return forced
+    r, p = costs.shape
+    inf = float("inf")
+    # Due samples oldest first (two stable sorts: by cost, then by age descending); the others after them.
+    by_cost = torch.sort(torch.where(due, costs, inf), dim=1, stable=True).indices
+    age_by_cost = torch.gather(torch.where(due, age, -1), 1, by_cost)
+    order = torch.gather(by_cost, 1, torch.sort(age_by_cost, dim=1, descending=True, stable=True).indices)
+    is_due = torch.gather(due, 1, order)
+    cum = torch.cumsum(torch.gather(torch.where(due, costs, 0.0), 1, order), dim=1)  # [R, P]
+    # The lightest completion: prefix sums of the sorted costs of the samples neither forced nor due.
+    other = valid & ~forced & ~due
+    light = torch.sort(torch.where(other, costs, inf), dim=1).values
+    light = torch.where(torch.isfinite(light), light, 0.0)
+    prefix = torch.cat([torch.zeros((r, 1), dtype=costs.dtype), torch.cumsum(light, dim=1)], dim=1)
+    left = (b - forced.sum(1))[:, None] - torch.arange(1, p + 1)[None, :]  # picks left after k due ones
+    fits = (left >= 0) & (left <= other.sum(1)[:, None])
+    total = torch.where(forced, costs, 0.0).sum(1)[:, None] + cum
+    total = total + torch.gather(prefix, 1, left.clamp(0, p))
+    ok = is_due & fits & (total <= target[:, None])
+    take = torch.cumprod(ok.to(torch.int64), dim=1).bool()  # the leading run: stop at the first misfit
+    return forced | torch.zeros_like(valid).scatter_(1, order, take)

@@ -7,10 +7,14 @@ batch. Every rank reads the same distribution, so every rank's batch lands near 
 heaviest rank is close to the mean, without any rank knowing about the others. Policies (``policy=``, see
 :mod:`gem_parallel.balance.policies`):
 
-- ``"sliding"`` (default): one batch at a time from a pool refilled after each batch, aimed at the rank's
-  running mean cost per sample times the batch size, plus ``feedback`` times the pool's excess over that
-  mean (so the pool absorbs this rank's sampling noise but cannot drift). A sample waits at most
-  ``max_wait`` batches.
+- ``"capped"`` (default): one batch at a time from a pool refilled after each batch. The level is the
+  expected cost of a sample (``mean_cost`` if given, else the rank's running mean); the batch aims at the
+  level times the batch size plus ``feedback`` times the pool's excess over the level (so the pool absorbs
+  this rank's sampling noise but cannot drift), but never more than ``1 + headroom`` times the level: what
+  the stream brings beyond that waits in the pool and drains by up to ``headroom`` per batch. Samples that
+  have waited ``soft_wait`` batches are taken first, oldest first, while they fit under the target; none
+  waits more than ``max_wait``.
+- ``"sliding"``: the same without the cap (the earlier default). A sample waits at most ``max_wait`` batches.
 - ``"snake"``, ``"lpt"``, ``"pair"``, ``"random"``: the whole pool is split into ``pool_batches`` batches at
   once (serpentine over the sorted pool, longest-first greedy, heaviest paired with lightest, no balancing).
 
@@ -28,11 +32,29 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from gem_parallel.balance.cost import CostModel, get_cost_model, total_lengths
-from gem_parallel.balance.policies import POOL_POLICIES, plan_pool, sliding_select
+from gem_parallel.balance.policies import (
+    POOL_POLICIES,
+    capped_target,
+    plan_pool,
+    sliding_select,
+    take_overdue,
+)
 
-__all__ = ["POLICIES", "BaseBatchShuffler"]
+__all__ = ["MIN_POOL_SAMPLES", "POLICIES", "BaseBatchShuffler", "default_pool_batches"]
 
-POLICIES = ("sliding", *POOL_POLICIES)
+POLICIES = ("capped", "sliding", *POOL_POLICIES)
+ONE_AT_A_TIME = ("capped", "sliding")
+# A capped pool holds the excess of heavy stretches (~ CV**2 / (2 * headroom) mean sample costs, whatever the
+# batch size) and still needs light samples to complete batches around it: below ~256 samples it clogs
+# (BENCHMARKS.md, "Load balancing where it is hard": 32-sample batches, 4 batches 1.075, 8 batches 1.029).
+MIN_POOL_SAMPLES = 256
+
+
+def default_pool_batches(batch_size: int) -> int:
+    """Pool size in batches: 4, and at least :data:`MIN_POOL_SAMPLES` samples."""
+    return max(4, -(-MIN_POOL_SAMPLES // batch_size))
+
+
 _STATE_VERSION = 1
 SubBatch = TypeVar("SubBatch")
 Batch = TypeVar("Batch")
@@ -61,14 +83,21 @@ class BaseBatchShuffler(Generic[SubBatch, Batch]):
             of ``sub_batches[i]``, in batch order. Default: the list of those samples.
         sub_batch_size: nominal samples per sub-batch.
         sub_batches_per_batch: training batch = ``sub_batch_size * sub_batches_per_batch`` samples.
-        pool_batches: pool size in training batches.
+        pool_batches: pool size in training batches; default :func:`default_pool_batches` (4, more for
+            batches under 64 samples: at least 256 samples).
         seed: seeds the order inside each batch (and the ``"random"`` policy).
         policy: one of :data:`POLICIES`.
-        feedback: (sliding) share of the pool's excess cost shed per batch; smaller balances better, larger
-            keeps the pool closer to its mean. 0 < feedback <= 1.
-        max_wait: (sliding) batches a sample may wait; default ``8 * pool_batches``.
-        mean_cost: (sliding) the expected cost per sample, if known (e.g. from the data set's length
-            statistics); default: the running mean of the samples this rank has read.
+        headroom: (capped) the most a batch is aimed above the level, as a share of it (> 0). Smaller
+            balances better and holds more in the pool (BENCHMARKS.md, "Load balancing where it is hard").
+        feedback: (capped, sliding) share of the pool's excess cost shed per batch; smaller balances better,
+            larger keeps the pool closer to its mean. 0 < feedback <= 1.
+        max_wait: (capped, sliding) batches a sample may wait; default ``16 * pool_batches`` (capped),
+            ``8 * pool_batches`` (sliding).
+        soft_wait: (capped) batches after which a sample is taken first while it fits; default
+            ``4 * pool_batches``.
+        mean_cost: (capped, sliding) the expected cost per sample, if known (e.g. from the data set's length
+            statistics: the same on every rank); default: the running mean of the samples this rank has
+            read, whose rank-to-rank spread (~ CV / sqrt(samples read)) is what limits balance early on.
     """
 
     def __init__(
@@ -80,21 +109,34 @@ class BaseBatchShuffler(Generic[SubBatch, Batch]):
         collate: Callable[[list[SubBatch], list[tuple[int, int]]], Batch] | None = None,
         sub_batch_size: int = 128,
         sub_batches_per_batch: int = 8,
-        pool_batches: int = 4,
+        pool_batches: int | None = None,
         seed: int = 0,
-        policy: str = "sliding",
+        policy: str = "capped",
+        headroom: float = 0.02,
         feedback: float = 0.01,
         max_wait: int | None = None,
+        soft_wait: int | None = None,
         mean_cost: float | None = None,
     ) -> None:
-        for name, v in (("sub_batch_size", sub_batch_size), ("sub_batches_per_batch", sub_batches_per_batch),
-                        ("pool_batches", pool_batches)):  # fmt: skip
+        for name, v in (("sub_batch_size", sub_batch_size), ("sub_batches_per_batch", sub_batches_per_batch)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"BaseBatchShuffler: {name} must be an int >= 1, got {v!r}")
+        if pool_batches is None:
+            pool_batches = default_pool_batches(sub_batch_size * sub_batches_per_batch)
+        if not isinstance(pool_batches, int) or pool_batches < 1:
+            raise ValueError(f"BaseBatchShuffler: pool_batches must be an int >= 1, got {pool_batches!r}")
         if policy not in POLICIES:
             raise ValueError(f"BaseBatchShuffler: unknown policy {policy!r}; choose from {POLICIES}")
         if not 0 < feedback <= 1:
             raise ValueError(f"BaseBatchShuffler: feedback must be in (0, 1], got {feedback}")
+        if not (headroom > 0 and math.isfinite(headroom)):
+            raise ValueError(f"BaseBatchShuffler: headroom must be a finite number > 0, got {headroom}")
+        if max_wait is None:  # capped: overdue samples leave early, so the hard bound is rarely reached
+            max_wait = (16 if policy == "capped" else 8) * pool_batches
+        soft_wait = 4 * pool_batches if soft_wait is None else soft_wait
+        for name, v in (("max_wait", max_wait), ("soft_wait", soft_wait)):
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"BaseBatchShuffler: {name} must be an int >= 0, got {v!r}")
         if mean_cost is not None and not (math.isfinite(mean_cost) and mean_cost >= 0):
             raise ValueError(f"BaseBatchShuffler: mean_cost must be a finite number >= 0, got {mean_cost}")
         self.source = source
@@ -106,8 +148,10 @@ class BaseBatchShuffler(Generic[SubBatch, Batch]):
         self.pool_capacity = pool_batches * self.batch_size
         self.seed = int(seed)
         self.policy = policy
+        self.headroom = float(headroom)
         self.feedback = float(feedback)
-        self.max_wait = 8 * pool_batches if max_wait is None else int(max_wait)
+        self.max_wait = max_wait
+        self.soft_wait = soft_wait
         self.mean_cost = mean_cost
         self._reset()
 
@@ -246,7 +290,8 @@ class BaseBatchShuffler(Generic[SubBatch, Batch]):
         self._p_age, self._p_cost = self._p_age[keep], self._p_cost[keep]
         return picks
 
-    def _plan_sliding(self) -> list[tuple[int, int]] | None:
+    def _plan_one(self) -> list[tuple[int, int]] | None:
+        """The next batch of a one-at-a-time policy (``"capped"``, ``"sliding"``)."""
         self._fill()
         n = self._p_ord.numel()
         if n == 0:
@@ -254,11 +299,16 @@ class BaseBatchShuffler(Generic[SubBatch, Batch]):
         if n <= self.batch_size:  # the source is done: the rest is the last batch
             return self._take(torch.ones(n, dtype=torch.bool))
         mu = self.mean_cost if self.mean_cost is not None else self._seen_sum / max(self._seen_n, 1)
-        excess = float(self._p_cost.sum()) - n * mu
-        target = torch.tensor([self.batch_size * mu + self.feedback * excess], dtype=torch.float64)
-        forced = self._p_age >= self.max_wait
-        valid = torch.ones(n, dtype=torch.bool)
-        mask = sliding_select(self._p_cost[None], valid[None], forced[None], self.batch_size, target)[0]
+        level = torch.tensor([mu], dtype=torch.float64)
+        excess = self._p_cost.sum()[None] - n * level
+        costs, age, valid = self._p_cost[None], self._p_age[None], torch.ones((1, n), dtype=torch.bool)
+        forced = age >= self.max_wait
+        if self.policy == "capped":
+            target = capped_target(level, excess, self.batch_size, self.headroom, self.feedback)
+            forced = take_overdue(costs, valid, forced, age, self.batch_size, target, self.soft_wait)
+        else:
+            target = self.batch_size * level + self.feedback * excess
+        mask = sliding_select(costs, valid, forced, self.batch_size, target)[0]
         picks = self._take(mask)
         self._p_age += 1
         return picks
@@ -310,8 +360,8 @@ class BaseBatchShuffler(Generic[SubBatch, Batch]):
 
     def next_batch(self) -> Batch | None:
         """The next training batch, or None once every sample has been emitted."""
-        if self.policy == "sliding":
-            picks = self._plan_sliding()
+        if self.policy in ONE_AT_A_TIME:
+            picks = self._plan_one()
             return None if picks is None else self._emit(picks)
         if not self._pending:
             self._plan_pool()

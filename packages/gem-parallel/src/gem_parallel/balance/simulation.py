@@ -1,205 +1,310 @@
-"""Simulated load balance across data-parallel ranks: random batches, Base Batch Shuffling, global KK.
+"""Simulated load balance across data-parallel ranks, every rank run: unbalanced batches, Base Batch
+Shuffling (each rank on its own stream, no communication) and a global largest-first partition.
 
-The metric, per method and rank count R: the mean over steps of (heaviest rank's batch cost) / (mean rank's
-batch cost), batch cost = the cost model's sum over the batch's samples plus its per-step constant.
+The metric, per step: the heaviest rank's batch cost / the mean rank's, over the ``ranks`` ranks of that step,
+of the **variable** cost (the cost model's sum over the batch's samples). A per-step constant (``c`` of a
+fitted :class:`~gem_parallel.balance.cost.MixCost`) is the same on every rank: it is reported beside the
+ratio, never folded into it (it would pull every ratio towards 1). Reported over the measured steps (after
+``warmup`` steps): the mean, the worst step, and the mean of the last half.
 
-Sample lengths are production-like histories, capped at ``max_len`` (16k): ``lognormal`` (median 1024,
-sigma 1) or ``zipf`` (P(L) ~ L**-1.05 on 1..max_len, the distribution recsys-examples measured on).
+History lengths follow :class:`LengthLaw`: ``lognormal`` (mean ``mean`` = 512, ``sigma`` 1, rounded, clipped
+to ``1..max_len`` = 4096) or ``zipf`` (P(L) ~ L**-1.05 on ``1..max_len``). Both are sampled from their exact
+probability table, so the expected cost of a sample (the ``known`` level) is exact.
 
-How each method is simulated:
+Methods, all from independent streams (rank r reads its own ``batch`` samples per step):
 
-- Per-rank methods (random, the BBS policies) need no communication, so the ranks are independent and
-  identically distributed. ``sim_ranks`` ranks are run step by step through the very policy code the
-  shuffler runs (:mod:`gem_parallel.balance.policies`), after ``warmup`` steps that bring the sliding pool
-  to its steady state. For R <= sim_ranks the metric is read off the first R simulated ranks, step by step.
-  For larger R, each step's R batch costs are drawn without replacement from all simulated (rank, step)
-  costs: R independent ranks of the same stationary process. (The direct and the drawn estimates agree at
-  R = sim_ranks; see BENCHMARKS.md.)
-- The sliding policy's running mean starts as if the rank had already read ``history`` batches (its
-  value is drawn from the normal law of a mean of that many samples), as in a run past its first steps.
-- Global balancing (all ranks' samples of a step, Karmarkar–Karp, with and without the swap refinement) is
-  simulated jointly for every R, on ``global_steps`` steps.
+- ``unbalanced``: each rank trains the batch it read.
+- ``global_largest_first``: every step, all ranks' samples, heaviest first, each to the rank that is lightest
+  so far among those not yet full (LPT with equal counts; full information, the reference for any balancer).
+- ``bbs_<policy>_<level>``: every rank runs its own :class:`~gem_parallel.balance.BaseBatchShuffler` policy
+  (the same policy functions, batched over ranks), ``level`` being the expected cost per sample the policy
+  aims at: ``known`` (exact, an oracle) or ``running`` (the mean over the samples the rank has read, as the
+  shuffler builds it when not given ``mean_cost``; ``history`` batches are counted as read before step 0:
+  0 is a cold start) or ``shared`` (the mean over every rank's running sums at step 0, after each has filled
+  its first pool, then fixed: what one all-reduce of two numbers per rank at the start gives, passed to every
+  rank's shuffler as ``mean_cost``; not simulated by default).
+
+Every rank is simulated (no extrapolation); ranks are processed in chunks of ``rank_chunk`` to bound memory.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from gem_parallel.balance.cost import CostModel
-from gem_parallel.balance.partition import karmarkar_karp, part_sums, refine_partition
-from gem_parallel.balance.policies import plan_pool, sliding_select
+from gem_parallel.balance.policies import capped_target, sliding_select, take_overdue
 
-__all__ = ["DISTRIBUTIONS", "SimConfig", "sample_lengths", "simulate"]
+__all__ = [
+    "DISTRIBUTIONS",
+    "LengthLaw",
+    "SimConfig",
+    "global_largest_first",
+    "sample_lengths",
+    "simulate",
+    "simulate_bbs",
+]
 
 DISTRIBUTIONS = ("lognormal", "zipf")
 ZIPF_ALPHA = 1.05
+SIM_POLICIES = ("capped", "sliding")
+LEVELS = ("running", "known", "shared")
 
 
-def sample_lengths(dist: str, n: int, generator: torch.Generator, *, max_len: int = 16384) -> torch.Tensor:
-    """``[n]`` float64 history lengths in ``[1, max_len]`` (see the module docstring)."""
-    if dist == "lognormal":
-        z = torch.randn(n, generator=generator, dtype=torch.float64)
-        return torch.exp(math.log(1024.0) + z).round().clamp(1, max_len)
-    if dist == "zipf":
-        k = torch.arange(1, max_len + 1, dtype=torch.float64)
-        cdf = torch.cumsum(k.pow(-ZIPF_ALPHA), 0)
-        u = torch.rand(n, generator=generator, dtype=torch.float64) * cdf[-1]
-        return (torch.searchsorted(cdf, u) + 1).clamp(max=max_len).to(torch.float64)
-    raise ValueError(f"unknown length distribution {dist!r}; choose from {DISTRIBUTIONS}")
+@dataclass(frozen=True)
+class LengthLaw:
+    """A history-length distribution on ``1..max_len``.
+
+    ``lognormal``: ``round(exp(N(m, sigma**2)))`` clipped to ``[1, max_len]``, ``m`` such that the unclipped
+    mean is ``mean``. ``zipf``: ``P(L) ~ L**-alpha``.
+    """
+
+    dist: str = "lognormal"
+    mean: float = 512.0
+    sigma: float = 1.0
+    max_len: int = 4096
+    alpha: float = ZIPF_ALPHA
+
+    def __post_init__(self) -> None:
+        if self.dist not in DISTRIBUTIONS:
+            raise ValueError(f"unknown length distribution {self.dist!r}; choose from {DISTRIBUTIONS}")
+        if self.max_len < 1 or self.mean <= 0 or self.sigma <= 0:
+            raise ValueError(f"LengthLaw needs max_len >= 1, mean > 0, sigma > 0, got {self}")
+
+    def pmf(self) -> torch.Tensor:
+        """``[max_len]`` float64: P(L = k) for k = 1..max_len."""
+        k = torch.arange(1, self.max_len + 1, dtype=torch.float64)
+        if self.dist == "zipf":
+            w = k.pow(-self.alpha)
+            return w / w.sum()
+        m = math.log(self.mean) - self.sigma**2 / 2
+        # P(round(exp(X)) = k) = P(k - 1/2 <= exp(X) < k + 1/2); the ends take the clipped mass.
+        edges = torch.cat([k - 0.5, k[-1:] + 0.5])
+        cdf = torch.special.ndtr((torch.log(edges) - m) / self.sigma)
+        cdf[0], cdf[-1] = 0.0, 1.0
+        return cdf.diff()
+
+    def sample(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        """``shape`` float64 lengths."""
+        cdf = torch.cumsum(self.pmf(), 0)
+        u = torch.rand(math.prod(shape), generator=generator, dtype=torch.float64) * cdf[-1]
+        idx = torch.searchsorted(cdf, u).clamp(max=self.max_len - 1)
+        return (idx + 1).to(torch.float64).view(shape)
+
+
+def sample_lengths(dist: str, n: int, generator: torch.Generator, **law: Any) -> torch.Tensor:
+    """``[n]`` float64 history lengths of ``LengthLaw(dist, **law)``."""
+    return LengthLaw(dist, **law).sample((n,), generator)
 
 
 @dataclass
 class SimConfig:
-    """Knobs of :func:`simulate` (defaults: the shuffler's)."""
+    """Knobs of :func:`simulate` (BBS defaults: the shuffler's, with ``sub_batches_per_batch = 1``)."""
 
-    sub_batch_size: int = 128
-    sub_batches_per_batch: int = 8
-    pool_batches: int = 4
+    ranks: int = 1024
+    batch: int = 64  # samples (sequences) per rank per step
+    pool_batches: int = 8
+    steps: int = 300  # measured steps, after `warmup`
+    warmup: int = 40
+    history: int = 0  # batches the running mean has read before step 0 (0: a cold start)
+    headroom: float = 0.02
     feedback: float = 0.01
-    max_wait: int | None = None
-    steps: int = 100
-    warmup: int = 200
-    history: int = 1000
-    sim_ranks: int = 128
-    global_steps: int = 4
+    max_wait: int | None = None  # default: the shuffler's (16 * pool_batches capped, 8 * sliding)
+    soft_wait: int | None = None  # default 4 * pool_batches
+    global_steps: int = 20
+    rank_chunk: int = 256
     seed: int = 0
+    policies: tuple[str, ...] = SIM_POLICIES
+    levels: tuple[str, ...] = ("running", "known")
+    law: LengthLaw = field(default_factory=LengthLaw)
 
-    @property
-    def batch(self) -> int:
-        return self.sub_batch_size * self.sub_batches_per_batch
+    def __post_init__(self) -> None:
+        for name in ("ranks", "batch", "pool_batches", "steps", "rank_chunk", "global_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SimConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0 or self.history < 0:
+            raise ValueError("SimConfig.warmup and history must be >= 0")
+        if bad := set(self.policies) - set(SIM_POLICIES):
+            raise ValueError(f"SimConfig.policies: unknown {sorted(bad)}; choose from {SIM_POLICIES}")
+        if bad := set(self.levels) - set(LEVELS):
+            raise ValueError(f"SimConfig.levels: unknown {sorted(bad)}; choose from {LEVELS}")
 
-
-def _costs(cost: CostModel, dist: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    n = math.prod(shape)
-    return cost.sample_costs(sample_lengths(dist, n, g)).view(shape)
-
-
-def _sliding(
-    cost: CostModel, dist: str, cfg: SimConfig, g: torch.Generator, stats: tuple[float, float]
-) -> torch.Tensor:
-    """``[steps, sim_ranks]`` batch costs of the sliding policy (after warm-up)."""
-    r, b, m = cfg.sim_ranks, cfg.batch, cfg.pool_batches
-    p = m * b
-    max_wait = 8 * m if cfg.max_wait is None else cfg.max_wait
-    mean, std = stats
-    pool = _costs(cost, dist, (r, p), g)
-    age = torch.zeros((r, p), dtype=torch.int64)
-    seen_n = float(cfg.history * b)
-    # The running mean after `history` batches: a mean of history * b samples.
-    seen_sum = (mean + std / math.sqrt(seen_n) * torch.randn(r, generator=g, dtype=torch.float64)) * seen_n
-    seen_sum = seen_sum + pool.sum(1)
-    seen_n += p
-    valid = torch.ones((r, p), dtype=torch.bool)
-    out = []
-    for step in range(cfg.warmup + cfg.steps):
-        mu = seen_sum / seen_n
-        target = b * mu + cfg.feedback * (pool.sum(1) - p * mu)
-        sel = sliding_select(pool, valid, age >= max_wait, b, target)
-        if step >= cfg.warmup:
-            out.append(torch.where(sel, pool, 0.0).sum(1))
-        new = _costs(cost, dist, (r * b,), g)
-        pool = pool.masked_scatter(sel, new)
-        age = torch.where(sel, 0, age + 1)
-        seen_sum = seen_sum + new.view(r, b).sum(1)
-        seen_n += b
-    return torch.stack(out) + cost.step_constant
+    def wait_bounds(self, policy: str) -> tuple[int, int]:
+        """(max_wait, soft_wait) of ``policy``, the shuffler's defaults unless given."""
+        hard = (
+            (16 if policy == "capped" else 8) * self.pool_batches if self.max_wait is None else self.max_wait
+        )
+        return hard, 4 * self.pool_batches if self.soft_wait is None else self.soft_wait
 
 
-def _pooled(cost: CostModel, dist: str, cfg: SimConfig, g: torch.Generator, policy: str) -> torch.Tensor:
-    """``[steps, sim_ranks]`` batch costs of a pool policy (``"random"`` included)."""
-    r, b, m = cfg.sim_ranks, cfg.batch, cfg.pool_batches
-    out: list[torch.Tensor] = []
-    while len(out) < cfg.steps:
-        c = _costs(cost, dist, (r, m * b), g)
-        lab = plan_pool(c, m, policy, g)
-        sums = torch.zeros((r, m), dtype=torch.float64).scatter_add_(1, lab, c)
-        out += list(sums.T)
-    return torch.stack(out[: cfg.steps]) + cost.step_constant
+def _costs(cost: CostModel, law: LengthLaw, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """``shape`` float64 costs of fresh samples (flat: ``sample_costs`` reads 2-D input as ``[n, S]``)."""
+    return cost.sample_costs(law.sample((math.prod(shape),), g)).view(shape)
 
 
-def _ratio_direct(costs: torch.Tensor, ranks: int) -> float:
-    c = costs[:, :ranks]
-    return float((c.max(1).values / c.mean(1)).mean())
+def _step_stats(costs: torch.Tensor, warmup: int) -> dict[str, float]:
+    """``costs``: ``[T, R]`` batch costs; heaviest / mean per step, over the steps after ``warmup``."""
+    ratio = (costs.max(1).values / costs.mean(1))[warmup:]
+    late = ratio[ratio.numel() // 2 :]
+    return {"mean": float(ratio.mean()), "worst": float(ratio.max()), "late": float(late.mean())}
 
 
-def _ratio_drawn(costs: torch.Tensor, ranks: int, steps: int, g: torch.Generator) -> float:
-    flat = costs.flatten()
-    if flat.numel() < ranks:
-        raise ValueError(f"simulate: {flat.numel()} simulated rank-steps cannot stand for {ranks} ranks; "
-                         "raise steps or sim_ranks")  # fmt: skip
-    vals = []
-    for _ in range(steps):
-        pick = flat[torch.randperm(flat.numel(), generator=g)[:ranks]]
-        vals.append(float(pick.max() / pick.mean()))
-    return sum(vals) / len(vals)
+def global_largest_first(costs: torch.Tensor) -> torch.Tensor:
+    """Per-rank sums of the global largest-first partition of ``[R, b]`` sample costs: every sample, heaviest
+    first, to the lightest rank that holds fewer than ``b`` (LPT with equal counts). ``[R]`` float64."""
+    r, b = costs.shape
+    items = torch.sort(costs.flatten(), descending=True).values.tolist()
+    heap = [(0.0, k) for k in range(r)]  # (load, rank): a heap already (all loads equal)
+    count = [0] * r
+    load = [0.0] * r
+    for x in items:
+        s, k = heapq.heappop(heap)
+        load[k] = s + x
+        count[k] += 1
+        if count[k] < b:
+            heapq.heappush(heap, (load[k], k))
+    return torch.tensor(load, dtype=torch.float64)
 
 
-def _global(cost: CostModel, dist: str, ranks: int, cfg: SimConfig, g: torch.Generator) -> dict[str, float]:
-    kk, ref, secs = [], [], 0.0
-    for _ in range(cfg.global_steps):
-        c = _costs(cost, dist, (ranks * cfg.batch,), g)
-        t0 = time.perf_counter()
-        part = karmarkar_karp(c, ranks)
-        s = part_sums(c, part, ranks) + cost.step_constant
-        kk.append(float(s.max() / s.mean()))
-        part = refine_partition(c, part, ranks)
-        s = part_sums(c, part, ranks) + cost.step_constant
-        ref.append(float(s.max() / s.mean()))
-        secs += time.perf_counter() - t0
-    return {"global_kk": sum(kk) / len(kk), "global_kk_swaps": sum(ref) / len(ref),
-            "global_partition_s": secs / cfg.global_steps}  # fmt: skip
+def _history_sums(cost: CostModel, cfg: SimConfig, r: int, g: torch.Generator) -> torch.Tensor:
+    """``[r]`` cost sums of ``history * batch`` samples per rank: drawn exactly when small, else from the
+    normal law of such a sum (its skew is then negligible)."""
+    n = cfg.history * cfg.batch
+    if n == 0:
+        return torch.zeros(r, dtype=torch.float64)
+    if r * n <= 1 << 24:
+        return _costs(cost, cfg.law, (r, n), g).sum(1)
+    pmf = cfg.law.pmf()
+    c = cost.sample_costs(torch.arange(1, cfg.law.max_len + 1, dtype=torch.float64))
+    mean = float((pmf * c).sum())
+    var = float((pmf * (c - mean).square()).sum())
+    return n * mean + math.sqrt(n * var) * torch.randn(r, generator=g, dtype=torch.float64)
 
 
-def simulate(
-    cost: CostModel, dist: str, ranks: list[int], cfg: SimConfig | None = None, *, log: Any = None
+def _shared_level(cost: CostModel, cfg: SimConfig, seed: int) -> float:
+    """The ``shared`` level: every rank's running sum at step 0 (its history and first pool, drawn exactly as
+    :func:`simulate_bbs` draws them), summed over all ranks, over all samples read."""
+    total, n = 0.0, cfg.pool_batches * cfg.batch
+    for c0 in range(0, cfg.ranks, cfg.rank_chunk):
+        r = min(cfg.rank_chunk, cfg.ranks - c0)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + c0)
+        pool = _costs(cost, cfg.law, (r, n), g)
+        total += float(pool.sum() + _history_sums(cost, cfg, r, g).sum())
+    return total / (cfg.ranks * (cfg.history * cfg.batch + n))
+
+
+def simulate_bbs(
+    cost: CostModel, cfg: SimConfig, policy: str, level: str, mu: float, seed: int
 ) -> dict[str, Any]:
-    """Runs every method for every rank count on one length distribution.
+    """One BBS policy on every rank, each on its own stream.
 
     Returns:
-        ``{"dist", "config", "results": {R: {method: mean max/mean ratio, ...}}, "seconds"}`` where methods
-        are ``random``, ``bbs_pair``, ``bbs_lpt``, ``bbs_snake``, ``bbs_sliding``, ``global_kk``,
-        ``global_kk_swaps`` (and the partition's seconds per step, ``global_partition_s``).
+        ``{"costs": [warmup + steps, ranks] float64 batch costs, "wait_hist": [max_wait + 2] int64 count of
+        samples emitted after waiting k batches (the last bin: more), "forced": samples taken at max_wait,
+        "held_max": the largest pool excess over the true level, in mean sample costs}``.
+    """
+    b, n = cfg.batch, cfg.pool_batches * cfg.batch
+    max_wait, soft_wait = cfg.wait_bounds(policy)
+    total = cfg.warmup + cfg.steps
+    out = torch.empty((total, cfg.ranks), dtype=torch.float64)
+    wait_hist = torch.zeros(max_wait + 2, dtype=torch.int64)
+    forced_n, held_max = 0, -math.inf
+    fixed = _shared_level(cost, cfg, seed) if level == "shared" else mu  # the level unless "running"
+    for c0 in range(0, cfg.ranks, cfg.rank_chunk):
+        r = min(cfg.rank_chunk, cfg.ranks - c0)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + c0)
+        pool = _costs(cost, cfg.law, (r, n), g)
+        age = torch.zeros((r, n), dtype=torch.int64)
+        valid = torch.ones((r, n), dtype=torch.bool)
+        seen_sum = _history_sums(cost, cfg, r, g) + pool.sum(1)
+        seen_n = float(cfg.history * b + n)
+        known = torch.full((r,), fixed, dtype=torch.float64)
+        for t in range(total):
+            lvl = seen_sum / seen_n if level == "running" else known
+            excess = pool.sum(1) - n * lvl
+            hard = age >= max_wait
+            forced_n += int(hard.sum())
+            if policy == "capped":
+                target = capped_target(lvl, excess, b, cfg.headroom, cfg.feedback)
+                forced = take_overdue(pool, valid, hard, age, b, target, soft_wait)
+            else:
+                target = b * lvl + cfg.feedback * excess
+                forced = hard
+            sel = sliding_select(pool, valid, forced, b, target)
+            out[t, c0 : c0 + r] = torch.where(sel, pool, 0.0).sum(1)
+            wait_hist += torch.bincount(age[sel].clamp(max=max_wait + 1), minlength=max_wait + 2)
+            held_max = max(held_max, float((pool.sum(1) - n * mu).max()) / mu)
+            new = _costs(cost, cfg.law, (r * b,), g)
+            pool = pool.masked_scatter(sel, new)
+            age = torch.where(sel, 0, age + 1)
+            seen_sum = seen_sum + new.view(r, b).sum(1)
+            seen_n += b
+    return {"costs": out, "wait_hist": wait_hist, "forced": forced_n, "held_max": held_max}
+
+
+def _wait_stats(hist: torch.Tensor) -> dict[str, float]:
+    cum = torch.cumsum(hist, 0).double() / max(int(hist.sum()), 1)
+    nz = torch.nonzero(hist).flatten()
+    return {
+        "wait_p50": int(torch.searchsorted(cum, torch.tensor([0.5], dtype=torch.float64))[0]),
+        "wait_p99": int(torch.searchsorted(cum, torch.tensor([0.99], dtype=torch.float64))[0]),
+        "wait_max": int(nz.max()) if nz.numel() else 0,
+    }
+
+
+def simulate(cost: CostModel, cfg: SimConfig | None = None, *, log: Any = None) -> dict[str, Any]:
+    """Every method on ``cfg.ranks`` ranks for one length law and batch size.
+
+    Returns:
+        ``{"config", "sample_cost_mean", "sample_cost_cv", "batch_cost_mean" (variable), "step_constant",
+        "methods": {name: {"mean", "worst", "late", ...}}, "seconds"}``; BBS methods add ``wait_p50``,
+        ``wait_p99``, ``wait_max`` (batches a sample waited), ``forced`` (samples taken at ``max_wait``),
+        ``held_max`` (the largest excess any pool held, in mean sample costs) and ``pool_samples``.
     """
     cfg = cfg or SimConfig()
     t_start = time.perf_counter()
+    pmf = cfg.law.pmf()
+    per_len = cost.sample_costs(torch.arange(1, cfg.law.max_len + 1, dtype=torch.float64))
+    mu = float((pmf * per_len).sum())
+    cv = math.sqrt(float((pmf * (per_len - mu).square()).sum())) / mu
     g = torch.Generator().manual_seed(cfg.seed)
-    probe = _costs(cost, dist, (1 << 20,), g)
-    stats = (float(probe.mean()), float(probe.std()))
-    per_rank: dict[str, torch.Tensor] = {}
-    for policy in ("random", "pair", "lpt", "snake"):
-        t0 = time.perf_counter()
-        per_rank["random" if policy == "random" else f"bbs_{policy}"] = _pooled(cost, dist, cfg, g, policy)
-        if log:
-            log(f"  {dist}: {policy} simulated on {cfg.sim_ranks} ranks in {time.perf_counter() - t0:.0f} s")
+    methods: dict[str, dict[str, Any]] = {}
+    read = torch.stack(
+        [_costs(cost, cfg.law, (cfg.ranks, cfg.batch), g).sum(1) for _ in range(cfg.warmup + cfg.steps)]
+    )  # fmt: skip
+    methods["unbalanced"] = _step_stats(read, cfg.warmup)
     t0 = time.perf_counter()
-    per_rank["bbs_sliding"] = _sliding(cost, dist, cfg, g, stats)
-    if log:
-        log(f"  {dist}: sliding simulated on {cfg.sim_ranks} ranks in {time.perf_counter() - t0:.0f} s")
-    results: dict[int, dict[str, float]] = {}
-    for r in ranks:
-        row = {}
-        for name, costs in per_rank.items():
-            if r <= cfg.sim_ranks:
-                row[name] = _ratio_direct(costs, r)
-            else:
-                row[name] = _ratio_drawn(costs, r, cfg.steps, g)
-        t0 = time.perf_counter()
-        row.update(_global(cost, dist, r, cfg, g))
-        if log:
-            log(f"  {dist}: global balancer on {r} ranks in {time.perf_counter() - t0:.0f} s")
-        results[r] = row
-    # At R = sim_ranks both estimates exist: they should agree (the drawn one stands in beyond it).
-    check = {}
-    for name, c in per_rank.items():
-        check[name] = {
-            "direct": _ratio_direct(c, cfg.sim_ranks),
-            "drawn": _ratio_drawn(c, cfg.sim_ranks, cfg.steps, g),
-        }
-    return {"dist": dist, "cost": getattr(cost, "name", type(cost).__name__), "config": asdict(cfg),
-            "sample_cost_mean": stats[0], "sample_cost_std": stats[1], "results": results,
-            "drawn_vs_direct": check, "seconds": time.perf_counter() - t_start}  # fmt: skip
+    shape = (cfg.ranks, cfg.batch)
+    glob = torch.stack(
+        [global_largest_first(_costs(cost, cfg.law, shape, g)) for _ in range(cfg.global_steps)]
+    )
+    methods["global_largest_first"] = {**_step_stats(glob, 0), "seconds_per_step": (time.perf_counter() - t0)
+                                       / cfg.global_steps}  # fmt: skip
+    for i, policy in enumerate(cfg.policies):
+        for j, level in enumerate(cfg.levels):
+            t0 = time.perf_counter()
+            res = simulate_bbs(cost, cfg, policy, level, mu, cfg.seed * 101 + 10 * i + j + 1)
+            methods[f"bbs_{policy}_{level}"] = {
+                **_step_stats(res["costs"], cfg.warmup), **_wait_stats(res["wait_hist"]),
+                "forced": res["forced"], "held_max": res["held_max"],
+                "pool_samples": cfg.pool_batches * cfg.batch,
+            }  # fmt: skip
+            if log:
+                m = methods[f"bbs_{policy}_{level}"]
+                log(f"  {cfg.law.dist} b={cfg.batch} P={cfg.pool_batches} {policy}/{level}: {m['mean']:.4f} "
+                    f"(worst {m['worst']:.4f}) in {time.perf_counter() - t0:.0f} s")  # fmt: skip
+    return {
+        "config": {**asdict(cfg), "law": asdict(cfg.law)},
+        "cost": getattr(cost, "name", type(cost).__name__),
+        "sample_cost_mean": mu,
+        "sample_cost_cv": cv,
+        "batch_cost_mean": mu * cfg.batch,
+        "step_constant": float(cost.step_constant),
+        "methods": methods,
+        "seconds": time.perf_counter() - t_start,
+    }

@@ -26,6 +26,11 @@ from torch import Tensor, nn
 
 __all__ = ["FullyShardedReplicas", "ReplicaSync", "tbe_kernels", "tbe_storage"]
 
+# torch 2.13 names them *_single and deprecates the *_tensor names with a FutureWarning on every call; 2.11
+# has only the latter.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def tbe_kernels(module: nn.Module) -> list[SplitTableBatchedEmbeddingBagsCodegen]:
     """Every fbgemm TBE kernel (the sharded tables' storage) inside ``module``, in a fixed order.
@@ -154,7 +159,7 @@ class FullyShardedReplicas:
             return
         for t, piece, numel, nbytes in zip(self._full, self.slices, self._numel, self._nbytes):
             out = torch.empty(piece.numel() * self.replicas, dtype=piece.dtype, device=piece.device)
-            dist.all_gather_into_tensor(out, piece, group=self.group)
+            _all_gather_single(out, piece, group=self.group)
             with torch.no_grad():
                 t.untyped_storage().resize_(nbytes)
                 t.view(-1).copy_(out[:numel])
@@ -169,7 +174,7 @@ class FullyShardedReplicas:
             full[:numel] = t.detach().reshape(-1)
             out = torch.empty_like(piece)
             # gloo has no AVG reduce-scatter: sum, then divide.
-            dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.group)
+            _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group)
             self.slices[i] = out.div_(self.replicas)
         self.free()
 

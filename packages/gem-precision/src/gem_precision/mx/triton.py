@@ -11,7 +11,7 @@ import triton.language as tl
 
 from gem_precision.dispatch import triton_interpreted
 from gem_precision.formats import ElemFormat
-from gem_precision.fp8_triton import NATIVE_FP8_CAST, e8m0_to_f32, fp8_bits
+from gem_precision.fp8_triton import NATIVE_FP8_CAST, e8m0_to_f32, mx_block_quantize
 from gem_precision.mx import reference as mx_reference
 
 if TYPE_CHECKING:  # only the type: importing mx.tensor here at run time would make a cycle with it
@@ -19,25 +19,6 @@ if TYPE_CHECKING:  # only the type: importing mx.tensor here at run time would m
 
 # Block layouts of the quantization kernel.
 _ALONG_COLS, _ALONG_ROWS, _SQUARE = 0, 1, 2
-
-
-@triton.jit
-def _block_quantize(x3, amax_bits, nonfinite, r, EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC, NATIVE):
-    """Quantize fp32 values ``x3`` with per-block int32 ``amax_bits`` (broadcastable to ``x3``).
-
-    Returns ``(data bits int32 like x3, scale bytes int32 like amax_bits)``.
-    """
-    e = (amax_bits >> 23) - 127 - EMAX
-    if RCEIL:
-        e += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # amax > 1.75 * 2**k: one more
-    e = tl.minimum(tl.maximum(e, -127), 127)
-    inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact (-e in [-120, 127])
-    v = x3 * inv_scale
-    v = tl.minimum(tl.maximum(v, -MAXV), MAXV)
-    bits = fp8_bits(v, r, MBITS, BIAS, STOCHASTIC, NATIVE)
-    bits = tl.where(nonfinite, NANB, bits)
-    scale = tl.where(nonfinite, 255, e + 127)
-    return bits, scale
 
 
 @triton.jit
@@ -80,7 +61,7 @@ def _to_mx_kernel(
         NB: tl.constexpr = BC // BLOCK
         a3 = tl.reshape(a, (BR, NB, BLOCK))
         amax = tl.expand_dims(tl.max(a3, axis=2), 2)
-        bits, scale = _block_quantize(
+        bits, scale = mx_block_quantize(
             tl.reshape(x, (BR, NB, BLOCK)), amax, amax >= 0x7F800000, tl.reshape(r, (BR, NB, BLOCK)),
             EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC, NATIVE,
         )  # fmt: skip
@@ -97,7 +78,7 @@ def _to_mx_kernel(
         NB: tl.constexpr = BR // BLOCK  # type: ignore[no-redef]  # one Triton constexpr per layout branch
         a3 = tl.reshape(a, (NB, BLOCK, BC))
         amax = tl.expand_dims(tl.max(a3, axis=1), 1)
-        bits, scale = _block_quantize(
+        bits, scale = mx_block_quantize(
             tl.reshape(x, (NB, BLOCK, BC)), amax, amax >= 0x7F800000, tl.reshape(r, (NB, BLOCK, BC)),
             EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC, NATIVE,
         )  # fmt: skip
@@ -116,7 +97,7 @@ def _to_mx_kernel(
         a4 = tl.reshape(a, (NBR, BLOCK, NBC, BLOCK))
         amax = tl.max(tl.max(a4, axis=3), axis=1)
         amax = tl.expand_dims(tl.expand_dims(amax, 2), 1)
-        bits, scale = _block_quantize(
+        bits, scale = mx_block_quantize(
             tl.reshape(x, (NBR, BLOCK, NBC, BLOCK)), amax, amax >= 0x7F800000,
             tl.reshape(r, (NBR, BLOCK, NBC, BLOCK)), EMAX, MBITS, BIAS, MAXV, NANB, RCEIL, STOCHASTIC, NATIVE,
         )  # fmt: skip

@@ -14,6 +14,7 @@ import torch
 
 from gem_precision.dispatch import use_triton
 from gem_precision.formats import check_float_tensor, elem_format
+from gem_precision.roofline import fp8_gemm_speedup, rates_for
 from gem_precision.rowwise.reference import quantize_rowwise_reference
 
 FP8_ALIGN = 16  # torch._scaled_mm: K and N multiples of 16 (16-byte rows of FP8 for the tensor cores)
@@ -22,16 +23,34 @@ FP8_ALIGN = 16  # torch._scaled_mm: K and N multiples of 16 (16-byte rows of FP8
 MIN_FP8_DIM = 16
 
 
-def rowwise_fallback(m: int, k: int, n: int) -> str | None:
+def rowwise_fallback(
+    m: int,
+    k: int,
+    n: int,
+    *,
+    min_speedup: float = 0.0,
+    a_t: bool = False,
+    b_t: bool = False,
+    precise: bool = False,
+    device: torch.device | str | None = None,
+    b_cached: bool = False,
+) -> str | None:
     """Why the FP8 row-wise path does not take the GEMM ``[M, K] @ [K, N]`` (None if it does).
 
     K need not be a multiple of 16 (it is zero-padded); N must be; M and K must be at least
-    :data:`MIN_FP8_DIM`.
+    :data:`MIN_FP8_DIM`. With ``min_speedup > 0`` the GEMM must also be predicted at least that much faster
+    in FP8 (:func:`gem_precision.roofline.fp8_gemm_speedup` on ``device``'s rates; ``a_t`` / ``b_t``: that
+    operand is cast column-wise, ``precise``: no fast accumulation, ``b_cached``: B's cast is made ahead).
     """
     if n % FP8_ALIGN:
         return f"N={n} is not a multiple of {FP8_ALIGN}"
     if m < MIN_FP8_DIM or k < MIN_FP8_DIM:
         return f"M={m} or K={k} is below {MIN_FP8_DIM}"
+    if min_speedup > 0:
+        rates = rates_for(device)
+        s = fp8_gemm_speedup(m, k, n, a_col=a_t, b_col=b_t, precise=precise, rates=rates, b_cached=b_cached)
+        if s < min_speedup:
+            return f"the {rates.name} roofline predicts {s:.2f}x for M={m}, K={k}, N={n} (< {min_speedup})"
     return None
 
 
@@ -153,6 +172,13 @@ def scaled_mm_rowwise(
     return ((a.to(torch.float32) * a_scale) @ (b.to(torch.float32) * b_scale).t()).to(out_dtype)
 
 
+def speedup_arg(min_speedup: float | str) -> str:
+    """The custom ops' form of ``min_speedup``: a string, so that ``torch.compile`` keeps it a constant (a
+    float read inside a traced ``autograd.Function`` becomes a symbolic input that dynamo fails to lift;
+    :class:`~gem_precision.MXFP8Linear` passes the string it made when its recipe was set)."""
+    return min_speedup if isinstance(min_speedup, str) else repr(float(min_speedup))
+
+
 def fp8_rowwise_mm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -163,11 +189,18 @@ def fp8_rowwise_mm(
     b_elem_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     use_fast_accum: bool = True,
+    min_speedup: float | str = 0.0,
+    b_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``A @ B.T`` with ``A = a.T if a_t else a`` (``[M, K]``) and ``B = b.T if b_t else b`` (``[N, K]``),
     both quantized to FP8 per row along K (the quantizer transposes on the fly and zero-pads K to a
-    multiple of 16). A shape the FP8 path does not take (:func:`rowwise_fallback`) is computed unquantized
-    in ``out_dtype`` instead. Not differentiable (:class:`~gem_precision.MXFP8Linear` is).
+    multiple of 16). A shape the FP8 path does not take (:func:`rowwise_fallback`, with ``min_speedup``:
+    also a GEMM the roofline does not predict at least that much faster in FP8) is computed unquantized in
+    ``out_dtype`` instead, decided per call. Not differentiable (:class:`~gem_precision.MXFP8Linear` is).
+
+    ``b_quantized``: B's FP8 copy made ahead, ``quantize_rowwise(b, b_elem_dtype, transpose=b_t,
+    k_multiple=16)`` exactly (a cached weight cast, :mod:`gem_precision.weight_cache`): used instead of
+    casting ``b`` when the GEMM runs in FP8; ``b`` itself still serves the unquantized fallback.
 
     The GEMM is the custom op ``gem_precision::fp8_rowwise_mm``: ``torch.compile`` sees one opaque node
     with a fake implementation, so the shape decisions happen at run time and add no guards.
@@ -189,9 +222,11 @@ def fp8_rowwise_mm(
             f"fp8_rowwise_mm: K differs: a has shape {tuple(a.shape)} and b has shape {tuple(b.shape)}; "
             f"{ka} = {k} but {kbn} = {kb}"
         )
+    qb, sb = b_quantized if b_quantized is not None else (None, None)
     out: torch.Tensor = torch.ops.gem_precision.fp8_rowwise_mm(
-        a, b, a_t, b_t, elem_dtype, b_elem_dtype or elem_dtype, out_dtype, use_fast_accum
-    )
+        a, b, a_t, b_t, elem_dtype, b_elem_dtype or elem_dtype, out_dtype, use_fast_accum,
+        speedup_arg(min_speedup), qb, sb,
+    )  # fmt: skip
     return out
 
 
@@ -204,18 +239,26 @@ def _mm_impl(
     b_elem_dtype: torch.dtype,
     out_dtype: torch.dtype,
     use_fast_accum: bool,
+    min_speedup: float = 0.0,
+    qb: torch.Tensor | None = None,
+    sb: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The body of ``gem_precision::fp8_rowwise_mm`` (see :func:`fp8_rowwise_mm`)."""
     m, k = (a.shape[1], a.shape[0]) if a_t else (a.shape[0], a.shape[1])
     n = b.shape[1] if b_t else b.shape[0]
     if k == 0 or m == 0 or n == 0:  # an empty sum (e.g. wgrad of an empty batch) or an empty result
         return torch.zeros((m, n), dtype=out_dtype, device=a.device)
-    if rowwise_fallback(m, k, n) is not None:
+    why = rowwise_fallback(
+        m, k, n, min_speedup=min_speedup, a_t=a_t, b_t=b_t, precise=not use_fast_accum, device=a.device,
+        b_cached=qb is not None,
+    )  # fmt: skip
+    if why is not None:
         aa = a.t() if a_t else a
         bb = b.t() if b_t else b
         return aa.to(out_dtype) @ bb.to(out_dtype).t()
     qa, sa = quantize_rowwise(a, elem_dtype, transpose=a_t, k_multiple=FP8_ALIGN)
-    qb, sb = quantize_rowwise(b, b_elem_dtype, transpose=b_t, k_multiple=FP8_ALIGN)
+    if qb is None or sb is None:
+        qb, sb = quantize_rowwise(b, b_elem_dtype, transpose=b_t, k_multiple=FP8_ALIGN)
     return scaled_mm_rowwise(qa, sa, qb, sb, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
 
@@ -229,8 +272,13 @@ def _fp8_rowwise_mm_op(
     b_elem_dtype: torch.dtype,
     out_dtype: torch.dtype,
     use_fast_accum: bool,
+    min_speedup: str,
+    qb: torch.Tensor | None,
+    sb: torch.Tensor | None,
 ) -> torch.Tensor:
-    return _mm_impl(a, b, a_t, b_t, elem_dtype, b_elem_dtype, out_dtype, use_fast_accum)
+    return _mm_impl(
+        a, b, a_t, b_t, elem_dtype, b_elem_dtype, out_dtype, use_fast_accum, float(min_speedup), qb, sb
+    )
 
 
 @_fp8_rowwise_mm_op.register_fake
@@ -243,6 +291,9 @@ def _(
     b_elem_dtype: torch.dtype,
     out_dtype: torch.dtype,
     use_fast_accum: bool,
+    min_speedup: str,
+    qb: torch.Tensor | None,
+    sb: torch.Tensor | None,
 ) -> torch.Tensor:
     m = a.shape[1] if a_t else a.shape[0]
     n = b.shape[1] if b_t else b.shape[0]
@@ -258,13 +309,14 @@ def fp8_rowwise_dgrad_wgrad(
     elem_dtype: torch.dtype = torch.float8_e4m3fn,
     out_dtype: torch.dtype = torch.bfloat16,
     use_fast_accum: bool = True,
+    min_speedup: float | str = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both backward GEMMs of ``y = x @ w.T`` in FP8 row-wise: ``dx = dy @ w`` and ``dw = dy.T @ x``.
 
     Equal to two :func:`fp8_rowwise_mm` calls (``(dy, w, b_t=True)`` and ``(dy, x, a_t=True, b_t=True)``,
-    each with its own fallback), but ``dy`` is read once for both of its FP8 copies when both GEMMs take FP8
-    (:func:`quantize_rowwise_both`). The custom op ``gem_precision::fp8_rowwise_dgrad_wgrad`` (opaque to
-    ``torch.compile``).
+    each with its own fallback and ``min_speedup``), but ``dy`` is read once for both of its FP8 copies when
+    both GEMMs take FP8 (:func:`quantize_rowwise_both`). The custom op
+    ``gem_precision::fp8_rowwise_dgrad_wgrad`` (opaque to ``torch.compile``).
 
     Args:
         dy: ``[M, N]`` output gradient. w: ``[N, K]`` weight. x: ``[M, K]`` input.
@@ -283,7 +335,7 @@ def fp8_rowwise_dgrad_wgrad(
             "are not dy [M, N], w [N, K], x [M, K]"
         )
     dx, dw = torch.ops.gem_precision.fp8_rowwise_dgrad_wgrad(
-        dy, w, x, grad_elem_dtype, elem_dtype, out_dtype, use_fast_accum
+        dy, w, x, grad_elem_dtype, elem_dtype, out_dtype, use_fast_accum, speedup_arg(min_speedup)
     )
     return dx, dw
 
@@ -297,14 +349,19 @@ def _dgrad_wgrad_op(
     elem_dtype: torch.dtype,
     out_dtype: torch.dtype,
     use_fast_accum: bool,
+    min_speedup: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     (m, n), k = dy.shape, w.shape[1]
     # dgrad [M, N] @ [N, K] (K of the GEMM: N); wgrad [N, M] @ [M, K] (K of the GEMM: the M tokens).
-    both = min(m, n, k) > 0 and rowwise_fallback(m, n, k) is None and rowwise_fallback(n, m, k) is None
+    p, dev, speedup = not use_fast_accum, dy.device, float(min_speedup)
+    both = (
+        min(m, n, k) > 0
+        and rowwise_fallback(m, n, k, min_speedup=speedup, b_t=True, precise=p, device=dev) is None
+        and rowwise_fallback(n, m, k, min_speedup=speedup, a_t=True, b_t=True, precise=p, device=dev) is None
+    )
     if not both:
-        dx = _mm_impl(dy, w, False, True, grad_elem_dtype, elem_dtype, out_dtype, use_fast_accum)
-        dw = _mm_impl(dy, x, True, True, grad_elem_dtype, elem_dtype, out_dtype, use_fast_accum)
-        return dx, dw
+        args = (grad_elem_dtype, elem_dtype, out_dtype, use_fast_accum, speedup)
+        return _mm_impl(dy, w, False, True, *args), _mm_impl(dy, x, True, True, *args)
     qdy, sdy, qdyt, sdyt = quantize_rowwise_both(
         dy, grad_elem_dtype, grad_elem_dtype, row_k_multiple=FP8_ALIGN, col_k_multiple=FP8_ALIGN
     )
@@ -324,5 +381,6 @@ def _(
     elem_dtype: torch.dtype,
     out_dtype: torch.dtype,
     use_fast_accum: bool,
+    min_speedup: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return dy.new_empty((dy.shape[0], w.shape[1]), dtype=out_dtype), w.new_empty(w.shape, dtype=out_dtype)

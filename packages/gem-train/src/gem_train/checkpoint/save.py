@@ -29,6 +29,7 @@ __all__ = [
     "save_best_checkpoint",
     "save_checkpoint",
     "wait_for_checkpoints",
+    "wait_for_local_seal",
     "write_checkpoint",
 ]
 
@@ -39,6 +40,12 @@ _SEAL = BackgroundSeal()
 def checkpoint_pending() -> bool:
     """Whether this process is still sealing a checkpoint in the background (hashing, manifest, rename)."""
     return _SEAL.pending()
+
+
+def wait_for_local_seal() -> str | None:
+    """Wait for this process's seal in flight, without a collective (a process about to end); its failure
+    message, or None."""
+    return _SEAL.join()
 
 
 def wait_for_checkpoints() -> None:

@@ -1,5 +1,6 @@
-"""The ``gem-train`` command (:func:`main`) and ``gem-train launch`` (:mod:`.launch`)."""
+"""The ``gem-train`` command (:func:`main`, the program :func:`console_main`) and ``gem-train launch``
+(:mod:`.launch`)."""
 
-from gem_train.cli.main import main
+from gem_train.cli.main import console_main, main
 
-__all__ = ["main"]
+__all__ = ["console_main", "main"]

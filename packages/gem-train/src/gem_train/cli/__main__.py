@@ -1,5 +1,5 @@
 """``python -m gem_train.cli``: the ``gem-train`` command."""
 
-from gem_train.cli.main import main
+from gem_train.cli.main import console_main
 
-raise SystemExit(main())
+console_main()

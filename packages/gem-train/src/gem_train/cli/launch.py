@@ -10,6 +10,9 @@ to resume), and ``128 + signal`` otherwise; a worker failure exits 1, as with to
 
     gem-train launch --standalone --nproc-per-node 2 train --config tiny-cpu
     # = torchrun --standalone --nproc-per-node 2 -m gem_train.cli train --config tiny-cpu
+
+With several workers per node and no ``OMP_NUM_THREADS`` set, each worker gets ``OMP_NUM_THREADS=1``, as
+torchrun would give it (without torchrun's banner saying so). ``gem-train launch --help`` prints its help.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ def main(argv: list[str]) -> int:
 
     args = parse_args([*argv[:cut], "-m", "gem_train.cli", *argv[cut:]])
     nproc = determine_local_world_size(args.nproc_per_node)
+    if nproc > 1:
+        # torchrun's own default, set here so that torchrun does not print its banner about it on every run.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     status_dir = Path(tempfile.mkdtemp(prefix="gem-launch-"))
     os.environ[STATUS_ENV] = str(status_dir)  # the workers inherit the launcher's environment
     try:
@@ -97,7 +103,12 @@ def main(argv: list[str]) -> int:
         )
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        print(f"gem-train launch: {e.format_msg() if hasattr(e, 'format_msg') else e}", file=sys.stderr)
+        # Each worker printed its own error above; say which ended how (torchrun's report is a framed block
+        # pointing at error files that gem-train workers do not write).
+        how = {r: f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit status {f.exitcode}"
+               for r, f in e.failures.items()}  # fmt: skip
+        ended = ", ".join(f"rank {r}: {how[r]}" for r in sorted(how))
+        print(f"gem-train launch: {len(how)} of the {nproc} workers here failed ({ended})", file=sys.stderr)
         return 1
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)

@@ -12,22 +12,32 @@
     gem-train config [--config C] [key=value ...]     print the resolved config
     gem-train launch [torchrun options] COMMAND ...     torchrun that exits 0 after a signal once all saved
 
-``--config`` takes a TOML file or a shipped config name (tiny-cpu, movielens, base-h200).
+``--config`` takes a TOML file or a shipped config name (``gem_train.configs.SHIPPED_CONFIGS``: tiny-cpu,
+movielens, base-h200, large-h200, movielens-parquet).
+
+Building the parser imports neither torch nor the config schema (each command imports what it needs), so
+``--help`` answers at once. :func:`main` returns the exit status; :func:`console_main` is the program (the
+console script, ``python -m gem_train.cli`` and every torchrun worker).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
-from gem_train.config import SHIPPED_CONFIGS, ConfigError, TrainConfig, config_from_dict, load_config
+from gem_train.cli.launch import COMMANDS as LAUNCHED_COMMANDS
+from gem_train.configs import SHIPPED_CONFIGS
 from gem_train.data.split import HELD_OUT, HeldOutSplit
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from gem_train.config import TrainConfig
+
+__all__ = ["console_main", "main"]
 
 
 def _count(minimum: int) -> Callable[[str], int]:
@@ -126,14 +136,31 @@ def _parser() -> argparse.ArgumentParser:
         "launch",
         help="torchrun (same options) running a gem-train command on every worker; exits 0 after "
         "SIGTERM/SIGINT once every worker saved its checkpoint",
+        description="torchrun (its own launcher, the same options: `torchrun --help`) running `gem-train "
+        "COMMAND ...` on every worker. It exits 0 after SIGTERM/SIGINT once every worker saved its "
+        "checkpoint (and prints how to resume), 1 if a worker failed. OMP_NUM_THREADS defaults to 1 per "
+        "worker, as torchrun's does. Example: gem-train launch --standalone --nproc-per-node 2 train "
+        "--config tiny-cpu",
+        usage="gem-train launch [-h] [torchrun options] COMMAND [args ...]",
     )
-    la.add_argument("torchrun_and_command", nargs=argparse.REMAINDER, help="[torchrun options] COMMAND ...")
+    la.add_argument(
+        "torchrun_and_command",
+        nargs=argparse.REMAINDER,
+        metavar="[torchrun options] COMMAND ...",
+        help=f"COMMAND: one of {', '.join(LAUNCHED_COMMANDS)}, with its arguments",
+    )
     return p
+
+
+def _launch_asks_help(argv: list[str]) -> bool:
+    """Whether ``gem-train launch ARGV`` asks for help: -h/--help before the launched command."""
+    head = next((argv[:i] for i, a in enumerate(argv) if a in LAUNCHED_COMMANDS), argv)
+    return "-h" in head or "--help" in head
 
 
 def _checkpoint_config(ckpt: Path, overrides: list[str]) -> tuple[TrainConfig, Path]:
     from gem_train.checkpoint import read_trainer_state
-    from gem_train.config import apply_overrides
+    from gem_train.config import TrainConfig, apply_overrides, config_from_dict
     from gem_train.loop.run_dir import resolve_checkpoint
 
     ckpt = resolve_checkpoint(ckpt)
@@ -187,6 +214,7 @@ def _gbdt(cfg: TrainConfig) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from gem_train.checkpoint import load_checkpoint
+    from gem_train.config import ConfigError
     from gem_train.evaluation.evaluate import evaluate_model
     from gem_train.loop.build import build_run
 
@@ -208,6 +236,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from gem_train.config import load_config
     from gem_train.loop.bench import run_bench
 
     cfg = load_config(args.config, args.overrides)
@@ -251,6 +280,7 @@ def _data(args: argparse.Namespace) -> int:
         else:
             print("  train with: gem-train train --config movielens")
         return 0
+    from gem_train.config import load_config
     from gem_train.data.synthetic import SyntheticAds
     from gem_train.evaluation.metrics import ground_truth_ne
 
@@ -299,18 +329,25 @@ def _collective_failure(e: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``gem-train``; returns the exit status (2: usage or config error, 1: failure,
-    128 + signal: stopped at once by a second SIGTERM/SIGINT)."""
+    128 + signal: stopped at once by a second SIGTERM/SIGINT). Known errors (bad data, a missing file, a
+    corrupt checkpoint, a non-finite loss, a failed collective) print one line, ``gem-train: error: ...``;
+    an error raised in a DataLoader worker is the same error as without workers."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:
+        if _launch_asks_help(argv[1:]):
+            _parser().parse_args(["launch", "--help"])  # prints launch's help and exits 0
         from gem_train.cli.launch import main as launch_main
 
         return launch_main(argv[1:])
     args = _parser().parse_args(argv)
-    # DCP warns on every single-process save/load that it assumes one process: that is the intent here.
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    from gem_train.loop.known_warnings import filter_known_warnings
+
+    filter_known_warnings()  # before torch is imported: this process and its loader workers
     from gem_train.checkpoint import CheckpointError
+    from gem_train.config import ConfigError, load_config
     from gem_train.data.movielens import DataFetchError, MovieLensFormatError
     from gem_train.data.parquet.errors import ParquetDataError
+    from gem_train.data.workers import LoaderWorkerError
     from gem_train.loop.signals import StopNow
     from gem_train.loop.trainer import NonFiniteLossError
 
@@ -357,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         ParquetDataError,
         DataFetchError,
         CheckpointError,
-        FileNotFoundError,
+        LoaderWorkerError,
+        OSError,  # a missing or unreadable file (FileNotFoundError, PermissionError, ...)
     ) as e:
         print(f"gem-train: error: {e}", file=sys.stderr)
         return 1
@@ -386,8 +424,65 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 128 + int(signum)
     finally:
-        import torch.distributed as dist
+        if "torch.distributed" in sys.modules:  # never imported by a command that needs no torch
+            import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
     return 2
+
+
+def console_main() -> NoReturn:
+    """The ``gem-train`` program: :func:`main`, then the end of the process.
+
+    One process ends as usual. A worker of a multi-process run (``WORLD_SIZE`` > 1, as torchrun sets) ends
+    with ``os._exit`` once everything it wrote is out: its loader workers shut down, a checkpoint seal
+    joined (after a success; a failed run leaves the one in flight unsealed, as a crash would, and the
+    previous checkpoint complete), logging, stdout and stderr flushed (TensorBoard and the metrics file were
+    closed by the trainer), the process group destroyed (by :func:`main`). Interpreter finalization is
+    skipped: a gloo thread still releasing a finished collective's tensors while the interpreter finalizes
+    aborts the process after success (SIGABRT: pytorch/pytorch#190489, as ``gem_parallel.testing`` found).
+    """
+    try:
+        code = main()
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2, its message printed)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:  # Ctrl-C before main() could handle it (while importing)
+        code = 130
+    except BaseException:  # an unexpected error: its traceback, exit status 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    if not _multi_rank():
+        raise SystemExit(code)
+    _flush_before_exit(code)
+    os._exit(code)
+
+
+def _multi_rank() -> bool:
+    """Whether this process is one rank of several (torchrun's ``WORLD_SIZE``)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def _flush_before_exit(code: int) -> None:
+    """What must be out before ``os._exit`` skips interpreter finalization (see :func:`console_main`)."""
+    import contextlib
+    import logging
+
+    if "gem_train.data.workers" in sys.modules:
+        from gem_train.data.workers import close_all_loaders
+
+        close_all_loaders()
+    if code == 0 and "gem_train.checkpoint.save" in sys.modules:
+        from gem_train.checkpoint.save import checkpoint_pending, wait_for_local_seal
+
+        if checkpoint_pending():
+            wait_for_local_seal()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more can go out
+            stream.flush()

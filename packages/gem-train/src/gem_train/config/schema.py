@@ -164,6 +164,9 @@ class TrainerConfig:
     # skip non-finite steps on the device (fused AdamW: optim.adamw_impl, auto on CUDA); false: read each
     # step's loss before the next.
     overlap_steps: bool = True
+    # CUDA, one process: pad each batch to one of a few bucketed jagged sizes and replay the whole step as
+    # one CUDA graph per bucket (gem_train.loop.cuda_graph; needs the fused AdamW). Ignored on the CPU.
+    cuda_graphs: bool = False
 
     def validate(self, key: str = "train") -> None:
         _int_in(f"{key}.steps", self.steps, 1)
@@ -194,6 +197,12 @@ class PrecisionConfig:
     recipe: Literal["none", "mxfp8", "mxfp8_all", "fp8_rowwise", "bf16"] = "none"
     min_features: int = 128  # layers narrower than this stay unconverted
     keep_last_blocks: int = 0  # keep the last N layers unconverted (the most sensitive)
+    # fp8_rowwise: each GEMM in FP8 only where gem-precision's roofline predicts it pays, bf16 elsewhere
+    # (Recipe.fp8_rowwise(auto_fallback=True)); false: every GEMM FP8 can take runs FP8.
+    fp8_auto_fallback: bool = True
+    # Cast each FP8 layer's weight once per optimizer step, not in every GEMM
+    # (gem_precision.cache_fp8_weights).
+    cache_weight_casts: bool = True
 
     def validate(self, key: str = "precision") -> None:
         _int_in(f"{key}.min_features", self.min_features, 0)

@@ -12,10 +12,9 @@ from gem_train.config.checks import ConfigError
 from gem_train.config.overrides import apply_overrides
 from gem_train.config.schema import TrainConfig
 from gem_train.config.typed import config_from_dict
+from gem_train.configs import SHIPPED_CONFIGS
 
 __all__ = ["SHIPPED_CONFIGS", "dumps_toml", "load_config"]
-
-SHIPPED_CONFIGS: tuple[str, ...] = ("tiny-cpu", "movielens", "base-h200", "movielens-parquet")
 
 
 def _read_shipped(name: str) -> str:

@@ -3,9 +3,13 @@
 
 The rank's ordinary training stream (batches of ``data.batch_size``) is read as the shuffler's sub-batches
 (``sub_batch_size = data.batch_size``, ``sub_batches_per_batch = 1``): a training batch keeps
-``data.batch_size`` samples, drawn from a pool of :data:`POOL_BATCHES` batches by the cost of each sample
-(``get_cost_model("mix")`` of the sum of its behaviour-sequence lengths). Every sample of the stream is
-trained on exactly once. The shuffler's state is in every checkpoint (``trainer_state["balancer"]``), with
+``data.batch_size`` samples, drawn from a pool of ``default_pool_batches(data.batch_size)`` batches (4, and at
+least 256 samples) by the cost of each sample (``get_cost_model("mix")`` of the sum of its behaviour-sequence
+lengths) with the shuffler's :data:`POLICY`: each batch aimed at the running mean cost, never more than
+``headroom`` (2%) above it; what a heavy stretch of the stream brings beyond that waits in the pool (at most
+16 pool sizes of batches). Every sample of
+the stream is trained on exactly once. A checkpoint of the earlier ``"sliding"`` policy resumes with that
+policy (its state names it). The shuffler's state is in every checkpoint (``trainer_state["balancer"]``), with
 ``base``: the global batch at which the balanced stream began, so a resume re-reads the same stream.
 
 A rank's sub-batches are its *carry* first (samples named by ``(global batch, row)``, in chunks of
@@ -32,7 +36,7 @@ from gem_model import GemBatch, JaggedSequence
 from gem_train.data.loader import LoadedBatch
 
 __all__ = [
-    "POOL_BATCHES",
+    "POLICY",
     "BalancedTrainStream",
     "balanced_stream",
     "concat_batches",
@@ -42,7 +46,7 @@ __all__ = [
 
 Sample = tuple[int, int]  # (global batch index, row in it)
 
-POOL_BATCHES = 4  # pool of the shuffler, in training batches (gem_parallel.balance's default)
+POLICY = "capped"  # gem_parallel.balance's default: the heaviest rank bounded by the cap (issue 38)
 
 
 def sample_lengths(batch: GemBatch) -> Tensor:
@@ -122,6 +126,7 @@ class BalancedTrainStream:
         world_size: ranks reading the stream (rank ``r``'s plain sub-batch ``k`` is global batch
             ``base + k * world_size + r``).
         batch_size, seed: ``data.batch_size`` and the shuffler's seed (per rank: see :func:`balanced_stream`).
+        policy: the shuffler's policy (:data:`POLICY`; a resumed stream keeps its checkpoint's).
         pin: pin the emitted batches (they are new tensors, no longer the loader's pinned ones).
         carry: ``(global batch, row)`` samples read before the plain stream, ``batch_size`` per sub-batch.
         fetch: ``fetch(global_batch)`` -> that training batch (needed with a ``carry``).
@@ -130,6 +135,7 @@ class BalancedTrainStream:
     def __init__(
         self, open_stream: Callable[[int], Any], *, base: int, world_size: int, batch_size: int, seed: int,
         pin: bool = False, carry: Sequence[Sample] = (), fetch: Callable[[int], LoadedBatch] | None = None,
+        policy: str = POLICY,
     ) -> None:  # fmt: skip
         from gem_parallel.balance import BaseBatchShuffler
 
@@ -148,8 +154,8 @@ class BalancedTrainStream:
             collate=collate,
             sub_batch_size=batch_size,
             sub_batches_per_batch=1,
-            pool_batches=POOL_BATCHES,
             seed=seed,
+            policy=policy,
         )
         self._states: dict[int, dict[str, Any]] = {}
         self._emitted = 0
@@ -194,7 +200,7 @@ class BalancedTrainStream:
 
 def balanced_stream(
     source: Any, *, rank: int, world_size: int, batch_size: int, seed: int, base: int = 0,
-    carry: Sequence[Sample] = (), num_workers: int = 0, pin: bool = False,
+    carry: Sequence[Sample] = (), num_workers: int = 0, pin: bool = False, policy: str = POLICY,
 ) -> BalancedTrainStream:  # fmt: skip
     """Rank ``rank``'s balanced stream of ``source`` (a ``BatchSource``): the trainer's and the one-process
     reference's (``benchmarks/one_process_reference.py``). ``seed``: the run's; each rank's shuffler gets its
@@ -209,7 +215,7 @@ def balanced_stream(
 
     return BalancedTrainStream(
         open_stream, base=base, world_size=world_size, batch_size=batch_size, seed=seed + 7_919 * rank,
-        pin=pin, carry=carry, fetch=lambda b: source.get("train", b, batch_size),
+        pin=pin, carry=carry, fetch=lambda b: source.get("train", b, batch_size), policy=policy,
     )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gem_train.config import ConfigError, TrainConfig
-from gem_train.data.balance import BalancedTrainStream, Sample, balanced_stream, reshard_balancer
+from gem_train.data.balance import POLICY, BalancedTrainStream, Sample, balanced_stream, reshard_balancer
 from gem_train.loop.distributed import DistInfo, all_gather_object
 
 __all__ = ["BalancerPosition", "balancer_extra", "resume_balancer"]
@@ -65,12 +65,15 @@ class BalancerPosition:
         self, source: Any, *, rank: int, world: int, batch_size: int, seed: int, base: int,
         num_workers: int, pin: bool,
     ) -> BalancedTrainStream:  # fmt: skip
-        """This rank's balanced stream from where it is (``base``: the position if not begun)."""
+        """This rank's balanced stream from where it is (``base``: the position if not begun). A resumed
+        stream keeps the policy its checkpoint names (``"sliding"`` in checkpoints written before the switch
+        to ``"capped"``), so that it continues exactly."""
         if self.base is None:
             self.base = base
+        policy = str(self.state.get("policy", POLICY)) if self.state is not None else POLICY
         stream = balanced_stream(
             source, rank=rank, world_size=world, batch_size=batch_size, seed=seed, base=self.base,
-            carry=self.carry[rank] if self.carry else (), num_workers=num_workers, pin=pin,
+            carry=self.carry[rank] if self.carry else (), num_workers=num_workers, pin=pin, policy=policy,
         )  # fmt: skip
         if self.state is not None:
             stream.load_state_dict(self.state)

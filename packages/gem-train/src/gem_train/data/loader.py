@@ -8,11 +8,15 @@ reads workers in round-robin order, so the sequence a rank sees is the same for 
 the position of the stream is one integer: the number of global batches consumed. That integer is in every
 checkpoint; a resumed stream starts from it (:func:`make_train_loader` with ``position``), on any number of
 ranks.
+
+Errors and shutdown (:mod:`gem_train.data.workers`): an exception in a loader worker reaches the main process
+as the original exception (type and message, as with ``num_workers = 0``) at the batch it would have made,
+after the loader's workers were shut down; an iterator that is closed, used as a context manager, dropped
+or still open at interpreter exit shuts its workers down too.
 """
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -22,8 +26,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from gem_model import FeatureSpec, GemBatch
 from gem_train.data.split import HELD_OUT, HeldOutSplit, Split, check_split
+from gem_train.data.workers import Loader, guarded, worker_init
 
-__all__ = ["BatchSource", "BatchStream", "LoadedBatch", "make_eval_loader", "make_train_loader"]
+__all__ = ["BatchSource", "BatchStream", "LoadedBatch", "Loader", "make_eval_loader", "make_train_loader"]
 
 
 class LoadedBatch:
@@ -87,35 +92,29 @@ class BatchStream(IterableDataset):
             k += n_workers
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader workers leave SIGTERM/SIGINT to the main process: torchrun signals a worker's whole
-    process group and Ctrl-C the terminal's, and a loader worker killed by it would make the main process
-    fail mid-step instead of finishing the step and checkpointing. The main process shuts them down."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _loader(stream: IterableDataset, num_workers: int, pin: bool) -> DataLoader:
-    return DataLoader(
-        stream,
-        batch_size=None,  # the source makes whole batches
-        num_workers=num_workers,
-        pin_memory=pin,
-        persistent_workers=False,
-        prefetch_factor=4 if num_workers > 0 else None,
-        # A private generator: creating a DataLoader iterator draws a base seed, which would otherwise
-        # come from (and move) the global torch RNG that exact resume restores.
-        generator=torch.Generator().manual_seed(0),
-        worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
+def _loader(stream: IterableDataset, num_workers: int, pin: bool) -> Loader:
+    return Loader(
+        DataLoader(
+            guarded(stream) if num_workers > 0 else stream,
+            batch_size=None,  # the source makes whole batches
+            num_workers=num_workers,
+            pin_memory=pin,
+            persistent_workers=False,
+            prefetch_factor=4 if num_workers > 0 else None,
+            # A private generator: creating a DataLoader iterator draws a base seed, which would otherwise
+            # come from (and move) the global torch RNG that exact resume restores.
+            generator=torch.Generator().manual_seed(0),
+            worker_init_fn=worker_init if num_workers > 0 else None,
+        )
     )
 
 
 def _own_stream(
     source: Any, split: str, batch_size: int, rank: int, world_size: int, start: int, max_batches: int,
     num_workers: int, pin: bool,
-) -> Any:  # fmt: skip
-    """The DataLoader of a source that makes its own streams (``make_stream``), or the source's wrapper of
-    it (``wrap_loader``: it counts what the workers report, e.g. skipped bad rows)."""
+) -> Loader:  # fmt: skip
+    """The loader of a source that makes its own streams (``make_stream``), or the source's wrapper of it
+    (``wrap_loader``: it counts what the workers report, e.g. skipped bad rows)."""
     stream = source.make_stream(
         split, batch_size, rank=rank, world_size=world_size, start=start, max_batches=max_batches,
         num_workers=num_workers,
@@ -135,11 +134,14 @@ def make_train_loader(
     num_workers: int = 0,
     pin_memory: bool = False,
     position: int | None = None,
-) -> DataLoader:
+) -> Loader:
     """The endless training stream of this rank, from this rank's batch ``start`` on; or, with
     ``position`` (global batches consumed so far, by any number of ranks), from that point of the global
     stream: rank ``r``'s ``k``-th batch is then global batch ``position + k * world_size + r``, so a run
-    resumed on another world size repeats and skips no batch."""
+    resumed on another world size repeats and skips no batch.
+
+    Iterate it (``LoadedBatch`` es); ``close()`` it, or use it in a ``with`` block, to end its worker
+    processes before the stream ends (:mod:`gem_train.data.workers`)."""
     if hasattr(source, "make_stream"):  # a source with its own streams (gem_train.data.parquet)
         # Its position is per rank (its resume check refuses another layout): position // world_size.
         local = start if position is None else position // world_size
@@ -161,9 +163,10 @@ def make_eval_loader(
     num_workers: int = 0,
     pin_memory: bool = False,
     split: HeldOutSplit = "test",
-) -> DataLoader:
+) -> Loader:
     """This rank's share of a held-out split: ``split`` "test" (the default) or "valid" (validation);
-    all of it, or the first ``max_batches`` batches."""
+    all of it, or the first ``max_batches`` batches. A :class:`~gem_train.data.workers.Loader`, as
+    :func:`make_train_loader`'s."""
     check_split(split, HELD_OUT)
     if hasattr(source, "make_stream"):  # a source with its own streams (gem_train.data.parquet)
         return _own_stream(

@@ -98,6 +98,10 @@ def build_model_for(cfg: TrainConfig, spec: FeatureSpec, dist_info: DistInfo, *,
         module = parallelize(built.model, plan.dims, config=plan.config)
     except ValueError as e:  # raised on every rank before any collective
         raise ConfigError(toml_message(e)) from None
+    if cfg.precision.recipe != "none" and cfg.precision.cache_weight_casts and autocast_dtype is not None:
+        from gem_precision import cache_fp8_weights
+
+        cache_fp8_weights(built.model, autocast_dtype)  # refreshed by a pre-hook of the model's forward
     return Prepared(built, module, plan)
 
 

@@ -181,5 +181,10 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) 
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's learning rate to ``lr``; a tensor learning rate (a captured CUDA graph reads it) is
+    filled in place."""
     for g in opt.param_groups:
-        g["lr"] = lr
+        if isinstance(g["lr"], Tensor):
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr

@@ -63,6 +63,8 @@ def _recipe(cfg: TrainConfig) -> Any:
         return None
     import gem_precision
 
+    if cfg.precision.recipe == "fp8_rowwise":
+        return gem_precision.Recipe.fp8_rowwise(auto_fallback=cfg.precision.fp8_auto_fallback)
     return getattr(gem_precision.Recipe, cfg.precision.recipe)()
 
 

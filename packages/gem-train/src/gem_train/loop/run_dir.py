@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,14 @@ from gem_train.checkpoint import latest_checkpoint, resolve_checkpoint
 from gem_train.config import TrainConfig, config_to_dict, dumps_toml
 from gem_train.loop.distributed import DistInfo
 
-__all__ = ["RunDir", "create_run_dir", "pick_latest", "resolve_resume", "shared_run_dir"]
+__all__ = [
+    "RunDir",
+    "create_run_dir",
+    "discard_if_unused",
+    "pick_latest",
+    "resolve_resume",
+    "shared_run_dir",
+]
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,24 @@ def create_run_dir(out_dir: str | Path, name: str, now: _dt.datetime | None = No
         root = base.with_name(f"{base.name}-{i}")
         i += 1
     return RunDir(root).make()
+
+
+def discard_if_unused(run: RunDir) -> bool:
+    """Remove a new run's directory if the run wrote nothing of its own into it (a run that failed at its
+    start: no metrics row, no checkpoint, not even a partial one, no plot, no evaluation); True if removed.
+    Only for a run that created the directory: never call it for a resumed run's."""
+    if not run.root.is_dir():
+        return False
+    kept = (
+        (run.metrics.exists() and run.metrics.stat().st_size > 0)
+        or run.eval_summary.exists()
+        or any(run.checkpoints.iterdir() if run.checkpoints.is_dir() else ())
+        or any(run.plots.iterdir() if run.plots.is_dir() else ())
+    )
+    if kept:
+        return False
+    shutil.rmtree(run.root, ignore_errors=True)
+    return not run.root.exists()
 
 
 def resolve_resume(resume: str | Path, name: str, out_dir: str | Path) -> Path:

@@ -74,14 +74,25 @@ class StepPipeline:
         self.run = run
         self.overlap = overlap and run.can_queue_steps
         self._pending: tuple[int, PendingStep, Any] | None = None
+        # train.cuda_graphs: every step through gem_train.loop.cuda_graph (CUDA only; the CPU ignores it).
+        self.graphs: Any = None
+        if run.cfg.train.cuda_graphs and run.device.type == "cuda":
+            from gem_train.loop.cuda_graph import GraphedSteps
+
+            self.graphs = GraphedSteps(run)
 
     def push(self, batch: GemBatch, step: int, *, read: bool = True, tag: Any = None) -> list[StepDone]:
         """Run 0-based ``step`` on ``batch`` (on the device); returns the steps read now, oldest first: the
         previous step if it was left unread, then this one unless it is left unread (``read=False`` while
         overlapping). ``tag`` comes back with the step's result."""
-        if not self.overlap:
+        if self.graphs is not None:
+            queued = self.graphs.queue_step(batch, step)
+            if not self.overlap:
+                return [StepDone(step + 1, queued.result(), tag)]
+        elif not self.overlap:
             return [StepDone(step + 1, self.run.train_step(batch, step), tag)]
-        queued = self.run.queue_step(batch, step)
+        else:
+            queued = self.run.queue_step(batch, step)
         done = self.flush()
         if read:
             done.append(StepDone(step + 1, queued.result(), tag))
@@ -130,6 +141,8 @@ class BuiltRun:
     dense_params: list[nn.Parameter]
     autocast_dtype: torch.dtype | None
     peak_flops: float | None
+    # torch.autocast's cache of casted weights: off under CUDA graphs (as torch's graph docs ask).
+    autocast_cache: bool = True
 
     @property
     def built(self) -> BuiltModel:
@@ -168,7 +181,9 @@ class BuiltRun:
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(
+            device_type=self.device.type, dtype=self.autocast_dtype, cache_enabled=self.autocast_cache
+        )
 
     @property
     def can_queue_steps(self) -> bool:
@@ -188,7 +203,8 @@ class BuiltRun:
         """
         if self.can_queue_steps:
             return self.queue_step(batch, step).result()
-        loss, per_task = self._forward_backward(batch, step)
+        self.set_step_lr(step)
+        loss, per_task = self._forward_backward(batch)
         loss_value, gnorm = self._step_values(loss.detach(), self._clip()).tolist()
         finite = math.isfinite(loss_value) and math.isfinite(gnorm)
         if finite:
@@ -209,7 +225,24 @@ class BuiltRun:
                 "queue_step needs optimizers that skip on the device (fused AdamW, RowWiseAdagrad); got "
                 + ", ".join(type(o).__name__ for o in self.optimizers)
             )
-        loss, per_task = self._forward_backward(batch, step)
+        self.set_step_lr(step)
+        values, per_task = self.device_step(batch)
+        return PendingStep(values, per_task)
+
+    def set_step_lr(self, step: int) -> None:
+        """The dense learning rate of 0-based ``step`` (warm-up, cosine), into the dense optimizer's groups
+        (a float, or in place into a tensor learning rate: :mod:`gem_train.loop.cuda_graph`)."""
+        cfg = self.cfg
+        if self.dense_opt is not None:
+            o = cfg.optim
+            set_lr(self.dense_opt, o.lr * lr_factor(step, cfg.train.steps, o.warmup_steps, o.min_lr_ratio))
+
+    def device_step(self, batch: GemBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """Forward, loss, backward, clipping and the optimizer steps (skipped on the device when the loss or
+        the gradient norm is non-finite), with no host sync: the body of :meth:`queue_step` (learning rate
+        set before), and what a CUDA graph captures (:mod:`gem_train.loop.cuda_graph`). Returns ``([loss,
+        grad norm], per-task losses)`` on the device."""
+        loss, per_task = self._forward_backward(batch)
         values = self._step_values(loss.detach(), self._clip())
         found_inf = (~torch.isfinite(values).all()).to(torch.float32)
         for opt in self.optimizers:
@@ -218,13 +251,9 @@ class BuiltRun:
         self._optimizer_steps()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        return PendingStep(values, per_task)
+        return values, per_task
 
-    def _forward_backward(self, batch: GemBatch, step: int) -> tuple[Tensor, dict[str, Tensor]]:
-        cfg = self.cfg
-        if self.dense_opt is not None:
-            o = cfg.optim
-            set_lr(self.dense_opt, o.lr * lr_factor(step, cfg.train.steps, o.warmup_steps, o.min_lr_ratio))
+    def _forward_backward(self, batch: GemBatch) -> tuple[Tensor, dict[str, Tensor]]:
         with self.autocast():
             logits = self.train_model(batch)
         loss, per_task = multitask_loss(logits, batch)

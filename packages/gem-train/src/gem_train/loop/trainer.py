@@ -57,7 +57,7 @@ from gem_train.loop.resume_check import (
     optimizer_settings,
     restore_optimizer_settings,
 )
-from gem_train.loop.run_dir import pick_latest, resolve_resume, shared_run_dir
+from gem_train.loop.run_dir import discard_if_unused, pick_latest, resolve_resume, shared_run_dir
 from gem_train.loop.run_history import record_resume, record_start
 from gem_train.loop.signals import StopNow, StopSignals
 from gem_train.loop.step import BuiltRun, StepPipeline, StepResult
@@ -119,6 +119,7 @@ class Trainer:
 
         # The run directory: rank 0 creates it (or reuses the resumed run's), everyone learns the path.
         self.run_dir = shared_run_dir(cfg, resume_from, self.dist)
+        self.created_run_dir = resume_from is None  # a failed start removes it again (never a resumed one's)
         self.logger = MetricsLogger(self.run_dir.metrics, self.run_dir.tensorboard, enabled=self.dist.is_main)
 
         self.start_step = 0
@@ -240,6 +241,7 @@ class Trainer:
         final_eval: EvalResult | None = None
         best_eval: EvalResult | None = None
         where = ""
+        failed = True
         try:
             with self.signals.installed():
                 step, status = self._train_loop(stop_after)
@@ -261,8 +263,11 @@ class Trainer:
                     f"  resume with: gem-train train --resume {self.last_checkpoint}{then}",
                     file=sys.stderr,
                 )
+            failed = False
         finally:
             self.logger.close()  # keep what was logged readable (TensorBoard flushes on close)
+            if failed:
+                self._discard_if_unused()
         best = self.selection.best
         return TrainResult(
             self.run_dir.root,
@@ -277,6 +282,16 @@ class Trainer:
             best_eval=best_eval,
             early_stopped=self.early_stopped,
         )
+
+    def _discard_if_unused(self) -> None:
+        """After a failure: rank 0 removes the run directory this run created if nothing was written to it
+        yet (a bad row at step 0, say), so a failed start leaves no empty run behind."""
+        if self.created_run_dir and self.dist.is_main and discard_if_unused(self.run_dir):
+            print(
+                f"gem-train: removed the run directory {self.run_dir.root}: the run failed before writing "
+                "anything",
+                file=sys.stderr,
+            )
 
     def _final_evaluation(self, step: int) -> tuple[EvalResult, EvalResult | None]:
         """The test split of the final model and of the best-validation checkpoint; eval.json and plots."""

@@ -1,6 +1,6 @@
 """The Parquet commands of ``gem-train data``: ``inspect``, ``export movielens-100k``, ``synthetic --format``.
 
-gem-train data inspect --config F [--png P] [--json] [key=value ...]
+gem-train data inspect --config F [--png PATH] [--json] [key=value ...]   (writes a file only with --png)
 gem-train data export movielens-100k --format parquet [DIR] [--config C] [key=value ...]
 gem-train data synthetic --format parquet DIR [--train-examples N] [--config C] [key=value ...]
 """
@@ -20,7 +20,9 @@ def add_parsers(dsub: argparse._SubParsersAction, cfg_help: str, ov_help: str) -
     """Add ``inspect`` and ``export`` to the ``data`` subcommands."""
     ins = dsub.add_parser("inspect", help="statistics and checks of a [data.parquet] dataset")
     ins.add_argument("--config", required=True, help=cfg_help + " with data.source = 'parquet'")
-    ins.add_argument("--png", default="history_lengths.png", help="histogram of history lengths (PNG)")
+    ins.add_argument(
+        "--png", default=None, metavar="PATH", help="also write a histogram of history lengths to PATH (PNG)"
+    )
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.add_argument("overrides", nargs="*", help=ov_help)
     ex = dsub.add_parser("export", help="write a built-in dataset as Parquet files")

@@ -24,4 +24,9 @@ class ParquetDataError(ValueError):
 
     def __init__(self, msg: str, path: str, row_group: int | None = None, row: int | None = None) -> None:
         super().__init__(f"{where(path, row_group, row)}: {msg}")
-        self.path, self.row_group, self.row = path, row_group, row
+        self.msg, self.path, self.row_group, self.row = msg, path, row_group, row
+
+    def __reduce__(self) -> tuple[type[ParquetDataError], tuple[str, str, int | None, int | None]]:
+        # Rebuilt from its fields (the default would call it with the formatted message alone): a loader
+        # worker's error reaches the main process as this same error (gem_train.data.workers).
+        return type(self), (self.msg, self.path, self.row_group, self.row)

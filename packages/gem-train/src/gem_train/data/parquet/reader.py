@@ -31,7 +31,7 @@ Bad rows (:mod:`.convert`): ``on_bad_row = "error"`` stops at the first, naming 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,7 @@ from gem_train.data.parquet.convert import Block, Converter, Provenance
 from gem_train.data.parquet.errors import ParquetDataError, where
 from gem_train.data.parquet.schema import SPLITS, ParquetLayout, SplitFiles, resolve_root, split_files
 from gem_train.data.split import Split
+from gem_train.data.workers import Loader
 
 __all__ = ["CountingLoader", "ParquetBatch", "ParquetSource", "ParquetStream"]
 
@@ -157,25 +158,24 @@ class ParquetStream(IterableDataset):
             )
 
 
-class CountingLoader:
-    """Iterates a DataLoader of :class:`ParquetBatch` es in the main process, summing the bad rows that the
-    workers left out (``source.bad_rows[split]``) and reporting them on stderr as they come."""
+class CountingLoader(Loader):
+    """A :class:`~gem_train.data.workers.Loader` of :class:`ParquetBatch` es that sums, in the main process,
+    the bad rows the workers left out (``source.bad_rows[split]``) and reports them on stderr as they come."""
 
-    def __init__(self, loader: Iterable[LoadedBatch], source: ParquetSource, split: str) -> None:
-        self.loader, self.source, self.split = loader, source, split
+    def __init__(self, loader: Loader, source: ParquetSource, split: str) -> None:
+        super().__init__(loader.dataloader)
+        self.source, self.split = source, split
 
-    def __iter__(self) -> Iterator[LoadedBatch]:
-        for lb in self.loader:
-            n = getattr(lb, "bad_rows", 0)
-            if n:
-                self.source.bad_rows[self.split] = self.source.bad_rows.get(self.split, 0) + n
-                print(
-                    f"gem-train: data.on_bad_row = 'skip': left {n} bad row(s) out of a {self.split} batch "
-                    f"({self.source.bad_rows[self.split]} so far on this rank), e.g. "
-                    f"{getattr(lb, 'bad_reason', '')}",
-                    file=sys.stderr,
-                )
-            yield lb
+    def on_item(self, item: Any) -> None:
+        n = getattr(item, "bad_rows", 0)
+        if n:
+            self.source.bad_rows[self.split] = self.source.bad_rows.get(self.split, 0) + n
+            print(
+                f"gem-train: data.on_bad_row = 'skip': left {n} bad row(s) out of a {self.split} batch "
+                f"({self.source.bad_rows[self.split]} so far on this rank), e.g. "
+                f"{getattr(item, 'bad_reason', '')}",
+                file=sys.stderr,
+            )
 
 
 class ParquetSource:
@@ -258,7 +258,7 @@ class ParquetSource:
             return BatchStream(self, split, batch_size, rank, world_size, start=0, stop=per_rank)
         return ParquetStream(self, split, batch_size, rank, world_size, start, max_batches, num_workers)
 
-    def wrap_loader(self, loader: Iterable[LoadedBatch], split: str) -> CountingLoader:
+    def wrap_loader(self, loader: Loader, split: str) -> CountingLoader:
         return CountingLoader(loader, self, split)
 
     def stream_state(self, world_size: int, num_workers: int) -> dict[str, Any]:

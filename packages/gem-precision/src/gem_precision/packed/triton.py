@@ -1,0 +1,175 @@
+"""Triton kernels of packed 8-bit rows (:mod:`.reference` describes the layout): one launch quantizes a
+weight shard into its ``uint8 [R, K + s]`` rows, one launch turns gathered rows back into the weight.
+
+- :func:`_pack_rowwise_kernel` ("fp8"): a program owns ``BR`` whole rows; pass 1 finds each row's maximum,
+  pass 2 re-reads the rows (from L2), writes the E4M3 bytes and the row's 4 scale bytes. The element rule is
+  the one of the row-wise quantizer (:mod:`gem_precision.rowwise.triton`), so the bytes are the same.
+- :func:`_pack_mx_kernel` ("mxfp8"): a program owns a ``[BR, BC]`` tile (``BC`` a multiple of 32), reads it
+  once, quantizes each 32-element block with :func:`gem_precision.fp8_triton.mx_block_quantize` (the MX
+  quantizer's block rule) and writes the element bytes and the tile's scale bytes.
+- :func:`_unpack_kernel`: element bytes times their scale (read from the row's tail), cast once to the
+  output dtype, written with the output's strides (FSDP2's unsharded parameter buffer, in place).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_precision.dispatch import triton_interpreted
+from gem_precision.formats import E4M3
+from gem_precision.fp8_triton import NATIVE_FP8_CAST, e8m0_to_f32, fp8_bits, mx_block_quantize
+
+_AMAX_EPS = tl.constexpr(1e-12)  # as gem_precision.rowwise.reference.AMAX_EPS
+
+
+@triton.jit
+def _pack_rowwise_kernel(
+    x_ptr, out_ptr, R, K, stride_r, stride_c, W,
+    BR: tl.constexpr, BC: tl.constexpr,
+    MBITS: tl.constexpr, BIAS: tl.constexpr, MAXV: tl.constexpr, NATIVE: tl.constexpr,
+):  # fmt: skip
+    """Rows [BR] of ``x [R, K]`` -> ``out`` rows of ``W = K + 4`` bytes: E4M3 bytes, then the fp32 scale
+    ``max(amax, eps) / MAXV`` as 4 little-endian bytes."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < R
+    xrow = x_ptr + rows.to(tl.int64) * stride_r
+    orow = out_ptr + rows.to(tl.int64) * W
+    amax = tl.zeros((BR,), dtype=tl.float32)
+    for c0 in range(0, K, BC):
+        cols = c0 + tl.arange(0, BC)
+        m = rmask[:, None] & (cols[None, :] < K)
+        x = tl.load(xrow[:, None] + cols[None, :] * stride_c, mask=m, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    scale = tl.maximum(amax, _AMAX_EPS) / MAXV
+    for c0 in range(0, K, BC):
+        cols = c0 + tl.arange(0, BC)
+        m = rmask[:, None] & (cols[None, :] < K)
+        x = tl.load(xrow[:, None] + cols[None, :] * stride_c, mask=m, other=0.0)
+        v = tl.minimum(tl.maximum(x.to(tl.float32) / scale[:, None], -MAXV), MAXV)
+        bits = fp8_bits(v, v, MBITS, BIAS, False, NATIVE)
+        tl.store(orow[:, None] + cols[None, :], bits.to(tl.uint8), mask=m)
+    sbits = scale.to(tl.int32, bitcast=True)
+    j = tl.arange(0, 4)
+    sbytes = (sbits[:, None] >> (j * 8)[None, :]) & 0xFF
+    tl.store(orow[:, None] + K + j[None, :], sbytes.to(tl.uint8), mask=rmask[:, None])
+
+
+@triton.jit
+def _pack_mx_kernel(
+    x_ptr, out_ptr, R, K, stride_r, stride_c, W,
+    BR: tl.constexpr, BC: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAXV: tl.constexpr, NANB: tl.constexpr,
+    NATIVE: tl.constexpr,
+):  # fmt: skip
+    """Tile [BR, BC] of ``x [R, K]`` -> ``out`` rows of ``W = K + ceil(K / 32)`` bytes: E4M3 bytes at
+    columns ``[0, K)``, the E8M0 ("rceil") scale of block ``b`` at column ``K + b``."""
+    NB: tl.constexpr = BC // 32
+    pid_c = tl.program_id(1)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = pid_c * BC + tl.arange(0, BC)
+    rmask = rows < R
+    m = rmask[:, None] & (cols[None, :] < K)
+    # Zeros outside the tensor leave block maxima unchanged (a partial block is a zero-padded one).
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c, mask=m, other=0.0)
+    x = x.to(tl.float32)
+    a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| bits: integer order = float order, NaN largest
+    a3 = tl.reshape(a, (BR, NB, 32))
+    amax = tl.expand_dims(tl.max(a3, axis=2), 2)
+    bits, scale = mx_block_quantize(
+        tl.reshape(x, (BR, NB, 32)), amax, amax >= 0x7F800000, a3,
+        EMAX, MBITS, BIAS, MAXV, NANB, True, False, NATIVE,
+    )  # fmt: skip
+    orow = out_ptr + rows.to(tl.int64) * W
+    tl.store(orow[:, None] + cols[None, :], tl.reshape(bits, (BR, BC)).to(tl.uint8), mask=m)
+    blk = pid_c * NB + tl.arange(0, NB)
+    smask = rmask[:, None] & (blk[None, :] < tl.cdiv(K, 32))
+    tl.store(orow[:, None] + K + blk[None, :], tl.reshape(scale, (BR, NB)).to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def _bf16_rne(v):
+    """bf16 of fp32 ``v`` rounded to nearest-even with integer operations (finite ``v``): the interpreter's
+    fp32 -> bf16 cast truncates."""
+    b = v.to(tl.int32, bitcast=True)
+    b = b + 0x7FFF + ((b >> 16) & 1)
+    return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _unpack_kernel(
+    p_ptr, o_ptr, R, K, W, stride_or, stride_oc,
+    MX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BF16_BITS: tl.constexpr,
+):  # fmt: skip
+    """``out [R, K]`` (any strides, its own dtype) = E4M3 bytes of packed rows ``[R, W]`` times their scale:
+    the row's fp32 (4 bytes at column K) or the block's E8M0 byte (column ``K + c // 32``) with MX."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    rmask = rows < R
+    m = rmask[:, None] & (cols[None, :] < K)
+    prow = p_ptr + rows.to(tl.int64) * W
+    d = tl.load(prow[:, None] + cols[None, :], mask=m, other=0)
+    v = d.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if MX:
+        s = tl.load(prow[:, None] + K + (cols // 32)[None, :], mask=m, other=127)
+        out = v * e8m0_to_f32(s.to(tl.int32))
+    else:
+        b0 = tl.load(prow + K, mask=rmask, other=0).to(tl.int32)
+        b1 = tl.load(prow + K + 1, mask=rmask, other=0).to(tl.int32)
+        b2 = tl.load(prow + K + 2, mask=rmask, other=0).to(tl.int32)
+        b3 = tl.load(prow + K + 3, mask=rmask, other=0).to(tl.int32)
+        scale = (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+        out = v * scale[:, None]
+    optr = o_ptr + rows.to(tl.int64)[:, None] * stride_or + cols[None, :] * stride_oc
+    if BF16_BITS:
+        tl.store(optr, _bf16_rne(out), mask=m)
+    else:
+        tl.store(optr, out.to(o_ptr.dtype.element_ty), mask=m)
+
+
+# GPU launch settings (rows per program and column chunk of the row-wise pack; tile of the MX pack and of the
+# unpack; num_warps). The weights of a GEM trunk have K of 512-4096: one or a few column chunks per row.
+PACK_ROWWISE = (4, 1024, 8)  # BR, BC, num_warps
+PACK_MX = (32, 128, 4)
+UNPACK = (32, 256, 4)
+_INTERP = (16, 64, 1)
+
+
+def quantize_packed_triton(x: torch.Tensor, fmt: str, width: int) -> torch.Tensor:
+    """Packed rows ``uint8 [R, width]`` of ``x [R, K]`` (any strides; fp32/bf16/fp16) in one launch."""
+    r, k = x.shape
+    out = torch.empty((r, width), dtype=torch.uint8, device=x.device)
+    if r == 0:
+        return out
+    interp = triton_interpreted()
+    if fmt == "fp8":
+        br, bc, warps = _INTERP if interp else PACK_ROWWISE
+        _pack_rowwise_kernel[(triton.cdiv(r, br),)](
+            x, out, r, k, x.stride(0), x.stride(1), width, BR=br, BC=bc,
+            MBITS=E4M3.mbits, BIAS=E4M3.bias, MAXV=E4M3.max_value, NATIVE=NATIVE_FP8_CAST, num_warps=warps,
+        )  # fmt: skip
+        return out
+    if k == 0:
+        return out
+    br, bc, warps = _INTERP if interp else PACK_MX
+    _pack_mx_kernel[(triton.cdiv(r, br), triton.cdiv(k, bc))](
+        x, out, r, k, x.stride(0), x.stride(1), width, BR=br, BC=bc,
+        EMAX=E4M3.emax, MBITS=E4M3.mbits, BIAS=E4M3.bias, MAXV=E4M3.max_value, NANB=E4M3.nan_bits,
+        NATIVE=NATIVE_FP8_CAST, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def dequantize_packed_triton(packed: torch.Tensor, k: int, fmt: str, out: torch.Tensor) -> torch.Tensor:
+    """Writes the weight of packed rows ``packed [R, W]`` (contiguous) into ``out [R, k]``; returns it."""
+    r = packed.shape[0]
+    if r == 0 or k == 0:
+        return out
+    br, bc, warps = _INTERP if triton_interpreted() else UNPACK
+    _unpack_kernel[(triton.cdiv(r, br), triton.cdiv(k, bc))](
+        packed, out, r, k, packed.shape[1], out.stride(0), out.stride(1),
+        MX=fmt == "mxfp8", BR=br, BC=bc, BF16_BITS=out.dtype == torch.bfloat16 and not NATIVE_FP8_CAST,
+        num_warps=warps,
+    )  # fmt: skip
+    return out

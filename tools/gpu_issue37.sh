@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Issue 37's GPU tests and measurements in one call on one H100/H200 (torch + triton installed; torchrec as
+# wheels in ./.whl, as tools/gpu_check.sh takes them). Each part writes its log and JSON under OUT_DIR/PART/;
+# a compact summary of all of them is printed at the end (tools/gpu_issue37_summary.py).
+#
+# Usage (repository root):  bash tools/gpu_issue37.sh OUT_DIR [PARTS]
+#   PARTS (comma-separated, in this order by default):
+#     tests      GPU tests of the new paths: packed-row kernels at a GEM trunk's shapes (bit-exact against the
+#                old quantizer), fp8_rowwise GPU tests (the op changed: per-call roofline, cached weight casts)
+#     allgather  the 8-bit all-gather quantizer per round: fused vs old vs the bf16 cast (target <= 2x), sweep
+#     fp8layers  device rates and every GEMM of base-h200 / large-h200 in bf16 and FP8 against the roofline
+#     wsprobe    does this Triton's Hopper warp specialization take on the backward's loop shapes (compile only)
+#     base       bench_speed base-h200: bf16 vs fp8_rowwise (auto), compiled, cold caches; + CUDA graphs
+#     large      bench_speed large-h200: bf16 vs fp8_rowwise (auto), compiled, cold caches; MFU, memory
+# Parts that cannot finish before GEM37_DEADLINE_S (default 470 s after the start) are skipped and say so:
+# with cold caches `base` takes ~4 min, `large` ~4-5 min, so run `large` as a second call if it is skipped:
+#   bash tools/gpu_issue37.sh OUT_DIR2 large
+set -uo pipefail
+OUT=${1:?usage: bash tools/gpu_issue37.sh OUT_DIR [PARTS]}
+PARTS=${2:-tests,allgather,fp8layers,wsprobe,base,large}
+DEADLINE=${GEM37_DEADLINE_S:-470}
+START=$SECONDS
+mkdir -p "$OUT"
+SITE=""
+if compgen -G ".whl/*.whl" > /dev/null; then
+  SITE=/tmp/gem-site
+  python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl > "$OUT/pip.log" 2>&1
+fi
+export PYTHONPATH="${SITE:+$SITE:}$(ls -d packages/*/src | tr '\n' ':')"
+export PYTHONUNBUFFERED=1
+export GEM_KERNELS_TUNE_CANDIDATES=${GEM_KERNELS_TUNE_CANDIDATES:-1}  # one attention tile per bucket (cold)
+export GEM_COMPILE_CACHE=${GEM_COMPILE_CACHE:-/tmp/gem37-compile-cache}  # not under OUT (large)
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+
+status=0
+# part NAME NEEDS_S COMMAND...: run if NEEDS_S seconds are left before the deadline (else skip), under a
+# timeout of what is left; its output in OUT/NAME/log.txt, its last line printed.
+part() {
+  local name=$1 needs=$2; shift 2
+  [[ ",$PARTS," == *",$name,"* ]] || return 0
+  local left=$((DEADLINE - (SECONDS - START)))
+  if (( left < needs )); then
+    printf '%-10s SKIPPED (%ss left, needs ~%ss): run it alone: bash tools/gpu_issue37.sh DIR %s\n' \
+      "$name" "$left" "$needs" "$name"
+    return 0
+  fi
+  mkdir -p "$OUT/$name"
+  local t0=$SECONDS r=ok
+  timeout "$left" "$@" > "$OUT/$name/log.txt" 2>&1 || { r=FAIL; status=1; }
+  printf '%-10s %-4s %4ss  %s\n' "$name" "$r" "$((SECONDS - t0))" "$(tail -n 1 "$OUT/$name/log.txt" | cut -c1-150)"
+}
+
+part tests 60 bash -c "python3 packages/gem-precision/tests/_triton_packed_checks.py --big && \
+  python3 -m pytest -q -p no:cacheprovider -o addopts='' --import-mode=importlib -m gpu --timeout=300 \
+  packages/gem-precision/tests/test_packed.py packages/gem-precision/tests/test_rowwise_fallback.py \
+  packages/gem-precision/tests/test_fp8_auto.py"
+part allgather 60 python3 packages/gem-train/benchmarks/bench_all_gather_quant.py --config base --sweep \
+  --out "$OUT/allgather"
+part fp8layers 90 python3 packages/gem-precision/benchmarks/bench_fp8_layers.py --out "$OUT/fp8layers"
+part wsprobe 30 python3 packages/gem-kernels/benchmarks/ws_probe_sm90.py
+# fp8_rowwise first: the CUDA-graph measurement (bf16, last) cannot disturb it if a capture fails.
+part base 240 python3 packages/gem-train/benchmarks/bench_speed.py --config base-h200 --recipes fp8_rowwise,bf16 \
+  --steps 10 --distinct 3 --prefetch-steps 0 --profile-steps 0 --cuda-graphs bf16 --out "$OUT/base"
+part large 240 python3 packages/gem-train/benchmarks/bench_speed.py --config large-h200 --recipes bf16,fp8_rowwise \
+  --steps 6 --distinct 2 --prefetch-steps 0 --profile-steps 0 --out "$OUT/large"
+
+python3 tools/gpu_issue37_summary.py "$OUT" | tee "$OUT/summary.txt"
+echo "total $((SECONDS - START)) s"
+exit $status
