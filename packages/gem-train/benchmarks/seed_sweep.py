@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -132,7 +131,7 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], path: Path) -> None:
 
 def _mean_std(vals: list[float]) -> str:
     a = np.array(vals)
-    return f"{a.mean():.4f} ± {a.std(ddof=1) if len(a) > 1 else math.nan:.4f}"
+    return f"{a.mean():.4f} ± {a.std(ddof=1):.4f}" if len(a) > 1 else f"{a.mean():.4f}"
 
 
 def main(argv: list[str] | None = None) -> int:
