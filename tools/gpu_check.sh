@@ -31,7 +31,7 @@ step precision-triton-big python3 packages/gem-precision/tests/_triton_interpret
 RUN=$LOG_DIR/train-run
 step train-cuda python3 -m gem_train.cli train --config base-h200 run.out_dir="$RUN" train.steps=60 \
   train.log_every=20 train.eval_every=30 train.eval_batches=2 checkpoint.every=30 data.num_workers=2 \
-  data.synthetic.eval_examples=4096
+  data.synthetic.eval_examples=4096 train.valid_every=30 train.valid_batches=2
 step train-resume python3 -m gem_train.cli train --resume "$(ls -d "$RUN"/* | head -n 1)" train.steps=80
 step eval-cuda python3 -m gem_train.cli eval --checkpoint "$(ls -d "$RUN"/* | head -n 1)" --batches 2
 exit $status

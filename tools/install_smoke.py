@@ -127,6 +127,7 @@ def gem_train() -> None:
             "train.steps=5",
             "train.progress_bar=false",
             "data.synthetic.eval_examples=512",
+            "data.synthetic.valid_examples=512",
         ]
         proc = subprocess.run([exe, "train", *args], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -13,16 +13,20 @@ from gem_parallel.balance import (
     AttentionCost,
     LinearCost,
     MixCost,
+    calibration_level,
     default_cost_file,
     fit_mix_cost,
     get_cost_model,
 )
 from gem_parallel.balance.__main__ import main as cli
 from gem_parallel.balance.simulation import (
+    COMMON_SEED,
     LengthLaw,
     SimConfig,
     _shared_level,
+    common_level,
     global_largest_first,
+    parse_level,
     sample_lengths,
     simulate,
     simulate_bbs,
@@ -209,3 +213,55 @@ def test_shared_level_is_the_mean_of_everything_read_at_step_0() -> None:
     m = simulate(cost, cfg)["methods"]
     assert m["bbs_capped_shared"]["mean"] < m["bbs_capped_running"]["mean"]
     assert abs(m["bbs_capped_shared"]["mean"] - m["bbs_capped_known"]["mean"]) < 0.02
+
+
+def test_calibration_level_is_the_plain_mean_and_order_free() -> None:
+    """``calibration_level``: the mean of the cost model over a calibration sample's ragged ``[n, S]``
+    lengths (0 and 1 included), equal to a plain float64 mean to 1e-12 (fsum vs torch's pairwise sum), and
+    bit-identical under any permutation of the rows (ranks reading the same rows in another order)."""
+    g = torch.Generator().manual_seed(11)
+    lengths = torch.randint(0, 300, (1001, 3), generator=g)
+    lengths[:5] = torch.tensor([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1], [299, 299, 299]])
+    cost = MixCost(3.0, 0.25, 100.0)
+    tot = lengths.sum(1).double()
+    reference = float((3.0 * tot + 0.25 * tot * tot).mean())
+    level = calibration_level(cost, lengths)
+    assert level == pytest.approx(reference, rel=1e-12)
+    for seed in range(3):
+        perm = torch.randperm(1001, generator=torch.Generator().manual_seed(seed))
+        assert calibration_level(cost, lengths[perm]) == level  # bit-identical
+    assert calibration_level("linear", torch.tensor([[2, 3], [0, 0]])) == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="empty"):
+        calibration_level(cost, torch.zeros(0, 2, dtype=torch.int64))
+
+
+def test_common_level_is_one_number_for_every_rank() -> None:
+    """``common:K``: the mean cost of K lengths drawn with ``COMMON_SEED`` alone: equal to a plain reference
+    mean of those draws; the same whatever the run's seed or its chunking of ranks (every rank uses it, as
+    ``level_error`` shows); a common level from a large sample balances like the known one, better than the
+    ranks' own running means; bad level names are refused."""
+    law = LengthLaw("lognormal", mean=64.0, max_len=256)
+    cost = MixCost(64.0, 1.0, 0.0)
+    draws = law.sample((4096,), torch.Generator().manual_seed(COMMON_SEED))
+    reference = float((64.0 * draws + draws * draws).mean())
+    assert common_level(cost, law, 4096) == pytest.approx(reference, rel=1e-12)
+    assert common_level(cost, law, 4096) != common_level(cost, law, 4096, seed=COMMON_SEED + 1)
+    pmf = law.pmf()
+    mu = float((pmf * cost.sample_costs(torch.arange(1, 257, dtype=torch.float64))).sum())
+    errors = set()
+    for seed, chunk in ((1, 3), (2, 8), (9, 5)):
+        cfg = SimConfig(ranks=8, batch=8, pool_batches=4, steps=3, warmup=1, global_steps=1, rank_chunk=chunk,
+                        law=law)  # fmt: skip
+        errors.add(simulate_bbs(cost, cfg, "capped", "common:4096", mu, seed)["level_error"])
+    assert errors == {reference / mu - 1}
+    levels = ("running", "known", "common:65536")
+    cfg = SimConfig(ranks=64, batch=16, pool_batches=4, steps=30, warmup=5, global_steps=1,
+                    levels=levels, policies=("capped",), law=law)  # fmt: skip
+    m = simulate(cost, cfg)["methods"]
+    assert abs(m["bbs_capped_common:65536"]["level_error"]) < 0.02  # sigma CV / 256 < 1% here
+    assert m["bbs_capped_common:65536"]["mean"] < m["bbs_capped_running"]["mean"]
+    assert abs(m["bbs_capped_common:65536"]["mean"] - m["bbs_capped_known"]["mean"]) < 0.02
+    assert parse_level("common:16384") == ("common", 16384.0) and parse_level("known:0.98") == ("known", 0.98)
+    for bad in ("common", "common:0", "common:1.5", "known:-1", "shared:2", "oracle"):
+        with pytest.raises(ValueError, match="level"):
+            parse_level(bad)

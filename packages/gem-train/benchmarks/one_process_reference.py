@@ -27,7 +27,7 @@ from torch import Tensor
 
 from gem_model import GemBatch, multitask_loss
 from gem_train.config import TrainConfig
-from gem_train.data.balance import balanced_stream, concat_batches
+from gem_train.data.balance import balanced_stream, common_level, concat_batches
 from gem_train.data.global_balance import partition_batches
 from gem_train.loop.build import build_run
 from gem_train.loop.optim import RowWiseAdagrad, lr_factor, set_lr
@@ -65,10 +65,12 @@ def _batches(cfg: TrainConfig, run: BuiltRun, world: int) -> Callable[[int, int]
         return rebalanced
     if cfg.parallel.balancer != "base_batch_shuffling":
         return lambda k, r: run.source.get("train", k * world + r, bs).batch
+    level = common_level(run.source, cfg.parallel.balancer_calibration)  # the trainer's, every rank's
     streams: list[Iterator] = [
-        iter(balanced_stream(run.source, rank=r, world_size=world, batch_size=bs, seed=cfg.run.seed))
+        iter(balanced_stream(run.source, rank=r, world_size=world, batch_size=bs, seed=cfg.run.seed,
+                             mean_cost=level))
         for r in range(world)
-    ]
+    ]  # fmt: skip
     return lambda k, r: next(streams[r]).batch
 
 

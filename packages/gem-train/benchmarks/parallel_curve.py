@@ -33,6 +33,7 @@ SMALL = [
     "data.batch_size=16", "data.eval_batch_size=128", "data.synthetic.eval_examples=512",
     "data.synthetic.max_len=16", "data.synthetic.num_users=500", "data.synthetic.num_items=300",
     "train.log_every=1", "train.progress_bar=false", "optim.warmup_steps=5", "checkpoint.every=0",
+    "data.synthetic.valid_examples=0",  # the training curves alone (no validation, no early stop)
 ]  # fmt: skip
 
 

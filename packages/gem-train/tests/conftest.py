@@ -14,6 +14,7 @@ SMALL_RUN = (
     "data.batch_size=16",
     "data.eval_batch_size=128",
     "data.synthetic.eval_examples=128",
+    "data.synthetic.valid_examples=128",
     "model.overrides.n_layers=1",
     'model.overrides.attention="full"',
     "data.synthetic.max_len=16",

@@ -17,6 +17,8 @@ from gem_train.data.balance import (
     POLICY,
     BalancedTrainStream,
     balanced_stream,
+    calibration_batches,
+    common_level,
     concat_batches,
     reshard_balancer,
     sample_lengths,
@@ -47,11 +49,20 @@ def _tagged_stream(n_batches: int, skew: bool) -> list[LoadedBatch]:
     return [LoadedBatch(every.select(c), i, None) for i, c in enumerate(dealt)]
 
 
-def _stream(batches: list[LoadedBatch], seed: int = 0, policy: str = POLICY) -> BalancedTrainStream:
+def _stream(
+    batches: list[LoadedBatch], seed: int = 0, policy: str = POLICY, level: float | None = None
+) -> BalancedTrainStream:
     def open_stream(pos: int):
         return iter(batches[pos:])
 
-    return BalancedTrainStream(open_stream, base=0, world_size=1, batch_size=BS, seed=seed, policy=policy)
+    return BalancedTrainStream(
+        open_stream, base=0, world_size=1, batch_size=BS, seed=seed, policy=policy, mean_cost=level
+    )
+
+
+def _level_of(batches: list[LoadedBatch]) -> float:
+    """A plain float64 mean of the mix cost over the batches (the level a calibration of them gives)."""
+    return float(_batch_costs(batches).sum()) / (BS * len(batches))
 
 
 def _rows(b) -> dict[int, tuple]:
@@ -73,14 +84,14 @@ def _batch_costs(batches) -> torch.Tensor:
     return torch.tensor([float(c) for c in per_batch])
 
 
-@pytest.mark.parametrize("policy", ["capped", "sliding"])
-def test_every_sample_is_emitted_once_and_unchanged(policy):
+@pytest.mark.parametrize("policy,common", [("capped", True), ("capped", False), ("sliding", False)])
+def test_every_sample_is_emitted_once_and_unchanged(policy, common):
     src = _tagged_stream(24, skew=True)  # longer than the pool (16 batches of 16): it refills
     want: dict[int, tuple] = {}
     for lb in src:
         want.update(_rows(lb.batch))
     got: dict[int, tuple] = {}
-    out = list(_stream(src, policy=policy))
+    out = list(_stream(src, policy=policy, level=_level_of(src[:4]) if common else None))
     for lb in out:
         rows = _rows(lb.batch)
         assert not set(rows) & set(got), "a sample emitted twice"
@@ -106,25 +117,26 @@ def test_cost_spread_is_lower_than_without_the_balancer():
     assert ratio < 0.2, (plain, balanced)
 
 
-@pytest.mark.parametrize("policy", ["capped", "sliding"])
+@pytest.mark.parametrize("policy,common", [("capped", True), ("capped", False), ("sliding", False)])
 @pytest.mark.parametrize("cut", [2, 12])
-def test_the_stream_resumes_exactly_from_any_state(policy, cut):
+def test_the_stream_resumes_exactly_from_any_state(policy, common, cut):
     src = _tagged_stream(24, skew=True)
-    full = [_rows(lb.batch) for lb in _stream(src, seed=5, policy=policy)]
-    first = _stream(src, seed=5, policy=policy)
+    level = _level_of(src[:4]) if common else None
+    full = [_rows(lb.batch) for lb in _stream(src, seed=5, policy=policy, level=level)]
+    first = _stream(src, seed=5, policy=policy, level=level)
     it = iter(first)
     head = [_rows(next(it).batch) for _ in range(cut + 1)]
     state = first.state_after(cut)
     assert state["policy"] == policy
-    second = _stream(src, seed=5, policy=policy)
+    second = _stream(src, seed=5, policy=policy, level=level)
     second.load_state_dict(state)
     tail = [_rows(lb.batch) for lb in second]
     assert head + tail == full
-    assert [lb.index for lb in _resumed(src, state, policy)] == list(range(cut + 1, len(full)))
+    assert [lb.index for lb in _resumed(src, state, policy, level)] == list(range(cut + 1, len(full)))
 
 
-def _resumed(src, state, policy):
-    s = _stream(src, seed=5, policy=policy)
+def _resumed(src, state, policy, level=None):
+    s = _stream(src, seed=5, policy=policy, level=level)
     s.load_state_dict(state)
     return list(s)
 
@@ -142,16 +154,68 @@ def test_a_checkpoint_of_the_sliding_policy_resumes_with_it():
                0, 1, BS)  # fmt: skip
     stream = pos.stream(src, rank=0, world=1, batch_size=BS, seed=1, base=0, num_workers=0, pin=False)
     assert stream.shuffler.policy == "sliding"
+    assert pos.level is None and stream.shuffler.mean_cost is None  # no level saved: its running mean
     it2 = iter(stream)
     assert [next(it2).batch.dense[:, 0].long().tolist() for _ in range(3)] == rest
-    fresh = BalancerPosition().stream(
+    fresh = BalancerPosition(calibration_samples=64).stream(
         src, rank=0, world=1, batch_size=BS, seed=1, base=0, num_workers=0, pin=False
     )
     assert head and fresh.shuffler.policy == POLICY == "capped"
+    assert fresh.shuffler.mean_cost == common_level(src, 64)
+
+
+def test_the_common_level_is_the_same_on_every_rank_and_a_plain_mean():
+    """Every rank of 3 (and of 1) computes the same level, bit for bit: the mean mix cost of the first rows
+    of the training split (global batches 0, 1, ... of the calibration read size), against a plain float64
+    reference; a ragged read (100 rows in reads of 7) is the same rows' mean."""
+    src = _TaggedSource()
+    rows = src.get("train", 0, 1024).batch
+    reference = float(get_cost_model("mix").sample_costs(sample_lengths(rows).sum(1).double())[:100].mean())
+    levels = []
+    for world in (3, 1):
+        for r in range(world):
+            pos = BalancerPosition(calibration_samples=100)
+            s = pos.stream(src, rank=r, world=world, batch_size=BS, seed=1, base=0, num_workers=0, pin=False)
+            assert s.shuffler.mean_cost == pos.level
+            levels.append(pos.level)
+    assert len(set(levels)) == 1 and levels[0] == pytest.approx(reference, rel=1e-12)
+    ragged = torch.cat([sample_lengths(src.get("train", k, 7).batch) for k in range(15)])[:100]
+    want = float(get_cost_model("mix").sample_costs(ragged.sum(1).double()).mean())
+    assert common_level(src, 100, read_batch=7) == pytest.approx(want, rel=1e-12)  # endless: batches 0..14
+
+
+def test_the_level_is_saved_and_a_resume_uses_the_saved_one():
+    """A fresh position computes the level once; its checkpoint entry holds it; a resume (same world size)
+    takes the saved level (not recomputed: a changed saved value is what the resumed stream aims at) and
+    continues the stream exactly; a checkpoint written before the first batch (no level, no rank state)
+    computes it as a fresh stream does."""
+    src = _TaggedSource()
+    pos = BalancerPosition(calibration_samples=64)
+    first = pos.stream(src, rank=0, world=1, batch_size=BS, seed=1, base=0, num_workers=0, pin=False)
+    it = iter(first)
+    [next(it) for _ in range(3)]
+    rest = [next(it).batch.dense[:, 0].long().tolist() for _ in range(3)]
+    saved = pos.saved([first.state_after(2)], 1, BS, 0)
+    assert saved["level"] == common_level(src, 64) and isinstance(saved["level"], float)
+    again = BalancerPosition(calibration_samples=1)  # would give another level if it recomputed
+    again.resume(saved, 0, 1, BS)
+    stream = again.stream(src, rank=0, world=1, batch_size=BS, seed=1, base=0, num_workers=0, pin=False)
+    assert stream.shuffler.mean_cost == saved["level"]
+    it2 = iter(stream)
+    assert [next(it2).batch.dense[:, 0].long().tolist() for _ in range(3)] == rest
+    moved = BalancerPosition()
+    moved.resume({**saved, "level": 2.5 * saved["level"]}, 0, 1, BS)
+    assert moved.stream(src, rank=0, world=1, batch_size=BS, seed=1, base=0, num_workers=0,
+                        pin=False).shuffler.mean_cost == 2.5 * saved["level"]  # fmt: skip
+    early = BalancerPosition(calibration_samples=64)
+    early.resume({**saved, "ranks": [None], "level": None}, 0, 1, BS)
+    early.stream(src, rank=0, world=1, batch_size=BS, seed=1, base=0, num_workers=0, pin=False)
+    assert early.level == saved["level"]
 
 
 def test_training_with_the_balancer_resumes_bit_identically(tmp_path, small_config):
-    steps = ["train.steps=6", "checkpoint.every=0", "parallel.balancer=base_batch_shuffling"]
+    steps = ["train.steps=6", "checkpoint.every=0", "parallel.balancer=base_batch_shuffling",
+             "parallel.balancer_calibration=4096"]  # fmt: skip
     full = Trainer(small_config(tmp_path / "a", *steps)).fit()
     assert full.status == "completed" and len(full.losses) == 6
     plain = Trainer(small_config(tmp_path / "p", "train.steps=6", "checkpoint.every=0")).fit()
@@ -237,6 +301,7 @@ def test_two_processes_balanced_resume_is_exact(tmp_path):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         "-m", "gem_train.cli", "train", "parallel.balancer=base_batch_shuffling",
+        "parallel.balancer_calibration=4096",
         "data.batch_size=16", "data.eval_batch_size=64", "data.synthetic.eval_examples=64",
         "data.synthetic.max_len=8", "data.synthetic.num_users=300", "data.synthetic.num_items=200",
         "model.overrides.n_layers=1", 'model.overrides.attention="full"',
@@ -259,8 +324,27 @@ def test_two_processes_balanced_resume_is_exact(tmp_path):
     assert saved["world_size"] == 2 and saved["base"] == 0 and len(saved["ranks"]) == 2
     assert [s["emitted"] for s in saved["ranks"]] == [2, 2]
     assert saved["ranks"][0] != saved["ranks"][1]  # each rank balances its own stream
+    assert isinstance(saved["level"], float) and saved["level"] > 0  # the common level, saved once
     resume = [*cmd[:8], "--resume", str(ckpt), *cmd[8:]]
     done = subprocess.run(resume, capture_output=True, text=True, env=env, timeout=200)
     assert done.returncode == 0, done.stderr[-4000:]
     again = losses()
     assert again == full  # steps 1-2 kept, steps 3-4 recomputed bit-identically
+
+
+class _Finite(_TaggedSource):
+    def num_batches(self, split, batch_size):
+        return 1000 // batch_size  # one pass: 142 batches of 7 rows
+
+
+def test_the_calibration_sample_is_spread_over_one_pass():
+    """With a pass of 142 batches, 15 reads of 7 rows (100 samples) take every 9th batch (0, 9, ..., 126)."""
+    src = _Finite()
+    assert calibration_batches(src, 100, 7) == [9 * k for k in range(15)]
+    assert calibration_batches(src, 10_000, 7) == list(range(1429))  # more than a pass: consecutive
+    assert calibration_batches(_TaggedSource(), 100, 7) == list(range(15))  # endless: the first
+    ragged = torch.cat([sample_lengths(src.get("train", 9 * k, 7).batch) for k in range(15)])[:100]
+    want = float(get_cost_model("mix").sample_costs(ragged.sum(1).double()).mean())
+    assert common_level(src, 100, read_batch=7) == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="samples"):
+        common_level(src, 0)

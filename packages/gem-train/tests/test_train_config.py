@@ -75,6 +75,12 @@ def test_overrides_typed_and_dotted():
         ("train.select_task=3", "train.select_task: expected str"),
         ('train.select_task=""', "train.select_task must name a task"),
         ("data.synthetic.valid_examples=-1", "data.synthetic.valid_examples must be >= 0"),
+        ("train.valid_every=often", "train.valid_every: expected int | 'auto'"),
+        ("train.epochs=-1", "train.epochs must be in [0, 100000]"),
+        ("train.epochs=inf", "train.epochs must be a finite number"),
+        ("train.early_stop_patience=-1", "train.early_stop_patience must be >= 0"),
+        ("data.parquet.valid_fraction=1.0", "data.parquet.valid_fraction must be in"),
+        ("data.normalize_dense=1", "data.normalize_dense: expected bool"),
     ],
 )
 def test_config_errors_name_the_key(override, message):
@@ -167,18 +173,28 @@ OUT_OF_RANGE = [
     ("precision.keep_last_blocks=-1", "precision.keep_last_blocks must be >= 0"),
     ("checkpoint.every=-1", "checkpoint.every must be >= 0"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last must be > 0"),
+    ("parallel.balancer_calibration=0", "parallel.balancer_calibration must be an int >= 1"),
     # Checked against gem-model and the dataset, still before the run directory exists.
     ("model.name=huge", "model.name"),
     ("model.overrides.d_model=-8", "model.overrides"),
     ("train.select_task=nope", "train.select_task = 'nope' is not a task"),
-    ("train.valid_every=2", "needs a validation split"),
+    # Asked for explicitly without a validation split; epochs of an endless stream.
+    ("data.synthetic.valid_examples=0;train.valid_every=2", "needs a validation split"),
+    ("train.epochs=2", "train.epochs = 2 needs a finite training set"),
 ]
 
 
 @pytest.mark.parametrize(("override", "message"), OUT_OF_RANGE, ids=[o for o, _ in OUT_OF_RANGE])
 def test_out_of_range_values_are_config_errors_before_any_run_directory(tmp_path, capsys, override, message):
-    # The override comes last (it wins); one step, so a value that slipped through fails fast.
-    argv = ["train", "train.progress_bar=false", "train.steps=1", f"run.out_dir={tmp_path}", override]
+    # The override comes last (it wins; ";" separates several); one step, so a value that slipped through
+    # fails fast.
+    argv = [
+        "train",
+        "train.progress_bar=false",
+        "train.steps=1",
+        f"run.out_dir={tmp_path}",
+        *override.split(";"),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("gem-train: config error: ") and message in err, err

@@ -115,7 +115,8 @@ def test_ranks_get_disjoint_interleaved_shards():
 def test_synthetic_validation_split_is_its_own_stream():
     import dataclasses
 
-    assert SyntheticAds(CFG, seed=1).num_batches("valid", 64) == 0  # off by default
+    assert SyntheticAds(CFG, seed=1).num_batches("valid", 64) == 64  # on by default: 4,096 impressions
+    assert SyntheticAds(dataclasses.replace(CFG, valid_examples=0), seed=1).num_batches("valid", 64) == 0
     ds = SyntheticAds(dataclasses.replace(CFG, valid_examples=150), seed=1)
     assert ds.num_batches("valid", 64) == 3
     v = [lb for lb in make_eval_loader(ds, 64, split="valid")]

@@ -28,24 +28,26 @@ from gem_train.data.parquet.errors import ParquetDataError
 from gem_train.data.workers import LoaderWorkerError
 from gem_train.loop.run_dir import RunDir, discard_if_unused
 
-BAD_ROW = 3  # in the first batch of every layout below: the run fails at its start
+BAD_ROW = 3  # in the first batch of every layout below: the run fails at its start (before its run directory)
+LATE_BAD_ROW = 200  # after the 8 batches of 16 measured before training: the run fails in its 13th step
 RUN_ARGS = [
     "data.batch_size=16", "data.eval_batch_size=32", "model.overrides.n_layers=1",
     'model.overrides.attention="full"', "train.steps=20", "train.log_every=100", "train.progress_bar=false",
 ]  # fmt: skip
 
 
-def bad_table(root: Path) -> tuple[Path, str]:
-    """A 300-row training file whose row 3 has a negative user id; its config; the one-line error."""
+def bad_table(root: Path, bad_row: int = BAD_ROW) -> tuple[Path, str]:
+    """A 300-row training file (row groups of 25) whose row ``bad_row`` has a negative user id; its config;
+    the one-line error."""
     n = 300
-    user = pa.array([-1 if i == BAD_ROW else 1 for i in range(n)], pa.int64())
+    user = pa.array([-1 if i == bad_row else 1 for i in range(n)], pa.int64())
     write_table(root / "train" / "a.parquet", n, row_group=25, user=user)
     write_table(root / "test" / "t.parquet", 40)
     cfg = root / "run.toml"
     cfg.write_text('[data]\nsource = "parquet"\n' + _toml_section(section(root, shuffle="none")))
     error = (
-        f"gem-train: error: file {root / 'train' / 'a.parquet'}, row group 0, row {BAD_ROW}: sparse feature "
-        "'user': id -1 out of range [0, 50)"
+        f"gem-train: error: file {root / 'train' / 'a.parquet'}, row group {bad_row // 25}, "
+        f"row {bad_row % 25}: sparse feature 'user': id -1 out of range [0, 50)"
     )
     return cfg, error
 
@@ -75,17 +77,17 @@ def processes_mentioning(marker: str) -> list[int]:
 def test_a_bad_row_ends_the_run_with_the_same_one_line_error_with_or_without_workers(
     tmp_path, capsys, workers
 ):
-    cfg, error = bad_table(tmp_path / "data")
+    cfg, error = bad_table(tmp_path / "data", LATE_BAD_ROW)
     runs = tmp_path / "runs"
-    code = main(
-        ["train", "--config", str(cfg), *RUN_ARGS, f"data.num_workers={workers}", f"run.out_dir={runs}"]
-    )
+    args = [*RUN_ARGS, f"data.num_workers={workers}", f"run.out_dir={runs}", "train.valid_every=0"]
+    code = main(["train", "--config", str(cfg), *args])
     err = capsys.readouterr().err
     assert code == 1, err[-3000:]
     assert [ln for ln in err.splitlines() if ln.startswith("gem-train: error")] == [error], err[-3000:]
     assert "Traceback" not in err
     assert multiprocessing.active_children() == []  # the loader's workers were shut down
-    # The run failed at its start: its directory is gone again, and said so.
+    # The run failed before writing anything (it validates only at its end): its directory is gone again, and
+    # said so.
     assert list(runs.iterdir()) == [] and "removed the run directory" in err
 
 
@@ -103,7 +105,8 @@ def test_the_program_exits_promptly_after_a_bad_row_in_a_loader_worker(tmp_path)
     assert done.stderr.rstrip().splitlines()[-1] == error, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and done.stdout == ""
     assert processes_mentioning(str(runs)) == []  # the workers (forks of the program) are gone too
-    assert list(runs.iterdir()) == []
+    # The row is read among the first training batches, measured before the run directory is made.
+    assert not runs.exists() or list(runs.iterdir()) == []
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -240,6 +243,10 @@ def test_a_failed_start_removes_only_an_unused_new_run_directory(tmp_path):
     run.config.write_text("[run]\n")
     (run.tensorboard / "events.out.tfevents.1").write_bytes(b"header only")
     assert discard_if_unused(run) and not run.root.exists()
+    # The start's health notes alone (also said on stderr) do not make a run used.
+    run = RunDir(tmp_path / "health").make()
+    run.metrics.write_text('{"step": 0, "split": "health", "check": "small_table", "message": "..."}\n')
+    assert discard_if_unused(run) and not run.root.exists()
     for written in ("metrics", "checkpoint", "eval"):
         run = RunDir(tmp_path / written).make()
         if written == "metrics":
@@ -287,7 +294,8 @@ def test_help_of_every_command_loads_neither_torch_nor_the_config_schema():
 import contextlib, io, sys
 from gem_train.cli.main import main
 commands = [[], ["train"], ["eval"], ["bench"], ["baseline"], ["config"], ["data"], ["launch"],
-            ["data", "movielens-100k"], ["data", "synthetic"], ["data", "inspect"], ["data", "export"]]
+            ["data", "movielens-100k"], ["data", "synthetic"], ["data", "inspect"], ["data", "export"],
+            ["predict"]]
 for argv in commands:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -13,7 +13,8 @@ whenever a wrapped module returns a view. Two of GEM's units did:
   ``[B, F, d]`` and every history event's embedding). A copy would cost a pass over the whole history's
   embeddings every step; nothing in gem-model, gem-parallel or gem-train writes into them (they are only read:
   ``item + action``, the projections, ``cat``), and the gradients of every parameter below, the tables'
-  included, match the one-process model. gem-train filters this one warning (README, "Known warnings").
+  included, match the one-process model. gem-train filters this one warning (docs/reliability.md, "Known
+  warnings").
 
 Tolerance: 1e-4 of each tensor's largest entry, as gem-parallel's ``test_dense_parallel.py`` (fp32: the
 reduce-scatter reorders sums; a missed or doubled gradient share is an O(1) error).

@@ -150,12 +150,17 @@ class _SignalNotHandled(Exception):
 
 def _signal_on_batch(monkeypatch, split, index, times=1):
     """A real SIGTERM to this process (``times`` of them) while the loader fetches batch ``index`` of
-    ``split``; outside the trainer's handlers, SIGTERM raises _SignalNotHandled instead of killing pytest."""
+    ``split``; outside the trainer's handlers, SIGTERM raises _SignalNotHandled instead of killing pytest.
+    A training batch is fetched first by the dense-scale check before training (outside the loop): the
+    signal comes at its second fetch, the training loop's."""
     orig = SyntheticAds.get
     sent = [False]
+    fetches = [0]
 
     def get(self, s, i, batch_size):
-        if s == split and i == index and not sent[0]:
+        if s == split and i == index:
+            fetches[0] += 1
+        if s == split and i == index and not sent[0] and fetches[0] == (2 if split == "train" else 1):
             sent[0] = True
             for _ in range(times):
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -197,6 +202,8 @@ def test_sigterm_during_the_final_evaluation_checkpoints_and_says_how_to_resume(
 def test_a_second_signal_stops_at_once(tmp_path, capsys, monkeypatch, small_overrides, split):
     restore = _signal_on_batch(monkeypatch, split, 2, times=2)
     args = [*small_overrides, "train.steps=4", "data.eval_batch_size=32", f"run.out_dir={tmp_path}"]
+    if split == "train":  # no validation (and best checkpoint) before the signal at the second batch
+        args.append("train.valid_every=0")
     try:
         assert main(["train", *args]) == 128 + signal.SIGTERM
     finally:

@@ -19,7 +19,8 @@ from gem_train.loop.step import BuiltRun, PendingStep
 from gem_train.loop.trainer import NonFiniteLossError, Trainer
 
 # Log every 4 steps: steps 1-3 of each window are read one step late.
-FUSED = ("optim.adamw_impl=fused", "train.log_every=4", "checkpoint.every=0")
+# valid_every=0: validation (a boundary: its step is read at once) only at the last step.
+FUSED = ("optim.adamw_impl=fused", "train.log_every=4", "checkpoint.every=0", "train.valid_every=0")
 
 
 def _record_calls(monkeypatch) -> list[str]:

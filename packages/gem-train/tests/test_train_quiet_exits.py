@@ -74,7 +74,8 @@ def test_a_bad_row_under_torchrun_ends_every_rank_with_exit_1_and_one_line(tmp_p
     # The other rank: its collective failed when the first one left (or it was stopped by the launcher).
     assert lines[-1].startswith("gem-train launch: ") and "workers here failed" in lines[-1], lines[-1]
     assert processes_mentioning(str(runs)) == []  # no rank, no loader worker left
-    assert list(runs.iterdir()) == []  # the failed start left no run directory
+    # The failed start left no run directory (the first training batches are read before it is made).
+    assert not runs.exists() or list(runs.iterdir()) == []
 
 
 @pytest.mark.distributed

@@ -147,13 +147,34 @@ def test_resume_on_other_data_is_refused_unless_allowed_and_the_history_keeps_bo
     assert main(["train", "--resume", str(run), "train.steps=4"]) == 2
     err = capsys.readouterr().err
     rewritten = str((b / "train" / "a.parquet").resolve())
-    assert f"data.parquet.train: files differ: rows 160 -> 170; rewritten: {rewritten} (size " in err
+    assert f"data.parquet.train: files differ: rows 144 -> 153; rewritten: {rewritten} (size " in err
     assert "rows 160 -> 170, footer differs)" in err and "(--allow-change data.parquet.train)" in err
     assert len(_history(run)) == 2
     assert main(["train", "--resume", str(run), "--allow-change", "data.parquet.train", "train.steps=4"]) == 0
     err = capsys.readouterr().err
-    assert "allowed (--allow-change): data.parquet.train: files differ: rows 160 -> 170" in err
+    assert "allowed (--allow-change): data.parquet.train: files differ: rows 144 -> 153" in err
     assert [e["step"] for e in _history(run)] == [0, 2, 3]
+
+
+def test_a_new_validation_cut_is_refused_unless_valid_fraction_is_allowed(tmp_path, capsys):
+    """With no valid files the validation split is cut from the training files (data.parquet.valid_fraction):
+    another cut changes both splits' rows, one change of meaning that allowing valid_fraction accepts."""
+    a = make_table(tmp_path / "a")
+    out = tmp_path / "runs"
+    assert main(["train", "--config", str(write_config(tmp_path / "my-ads.toml", a, out))]) == 0
+    (run,) = out.iterdir()
+    capsys.readouterr()
+    argv = ["train", "--resume", str(run), "data.parquet.valid_fraction=0.2", "train.steps=3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "data.parquet.valid_fraction: 0.1 -> 0.2" in err
+    assert "data.parquet.train: files differ: rows 144 -> 128" in err
+    assert "data.parquet.valid: files differ: rows 16 -> 32" in err
+    assert "(--allow-change data.parquet.valid_fraction)" in err  # the one flag that explains all three
+    assert main([*argv[:3], "--allow-change", "data.parquet.valid_fraction", *argv[3:]]) == 0
+    err = capsys.readouterr().err
+    assert "allowed (--allow-change): data.parquet.train: files differ: rows 144 -> 128" in err
+    assert read_trainer_state(list_checkpoints(run / "checkpoints")[-1])["step"] == 3
 
 
 def test_cli_allow_change_needs_resume_and_a_real_key(tmp_path, capsys, small_overrides):

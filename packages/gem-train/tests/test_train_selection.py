@@ -111,8 +111,12 @@ def test_selection_config_errors(tmp_path, capsys, selection_config, small_overr
         == 2
     )
     assert "config error: train.select_task = 'x'" in capsys.readouterr().err
-    res = Trainer(selection_config(tmp_path, "train.steps=1")).fit()
+    # Without a validation split no selection happens; with one (the default) even a 1-step run validates
+    # at its end and has a best checkpoint.
+    res = Trainer(selection_config(tmp_path, "train.steps=1", "data.synthetic.valid_examples=0")).fit()
     assert res.best_step is None and res.best_eval is None
+    res = Trainer(selection_config(tmp_path, "train.steps=1")).fit()
+    assert res.best_step == 1 and res.best_eval is not None
     assert main(["eval", "--checkpoint", str(res.last_checkpoint), "--split", "valid"]) == 0
     assert main(["eval", "--checkpoint", str(res.last_checkpoint), "--split", "valid",
                  "data.synthetic.valid_examples=0"]) == 2  # fmt: skip
@@ -156,7 +160,7 @@ def test_early_stopping_ends_the_run_patience_validations_after_the_best(
     assert summary["best"]["step"] == 2 and summary["step"] == 4
 
 
-def test_early_stopping_counts_validations_not_steps_and_is_off_by_default(
+def test_early_stopping_counts_validations_not_steps_and_is_on_by_default(
     tmp_path, monkeypatch, selection_config
 ):
     # valid_every=2: validations at steps 2, 4, 6, 8; best at 2, so patience 2 stops at step 6.
@@ -175,8 +179,12 @@ def test_early_stopping_counts_validations_not_steps_and_is_off_by_default(
         )
     ).fit()
     assert not res.early_stopped and res.step == 8 and res.best_step == 8
-    # Off (the default): the run goes to train.steps whatever the validation does.
-    res = Trainer(selection_config(tmp_path / "c", "train.steps=8", "train.valid_every=2")).fit()
+    # On by default with patience 3 (the same run as above); 0 turns it off: the run goes to train.steps
+    # whatever the validation does.
+    cfg = selection_config(tmp_path / "c", "train.steps=8", "train.valid_every=2")
+    assert cfg.train.early_stop_patience == 3
+    cfg.train.early_stop_patience = 0
+    res = Trainer(cfg).fit()
     assert not res.early_stopped and res.step == 8
     assert "early_stop" not in json.loads((res.run_dir / "eval.json").read_text())
 
@@ -192,6 +200,14 @@ def test_early_stopping_survives_a_resume(tmp_path, monkeypatch, selection_confi
     assert res.early_stopped and res.step == 4 and res.best_step == 2
 
 
-def test_early_stopping_needs_a_validation_split(tmp_path, selection_config):
-    with pytest.raises(ConfigError, match="early_stop_patience = 3 counts validation evaluations"):
-        selection_config(tmp_path, "train.early_stop_patience=3", "train.valid_every=0").validate()
+def test_early_stopping_without_periodic_validation_never_stops_a_run(
+    tmp_path, monkeypatch, selection_config
+):
+    # valid_every = 0 validates only at the last step, and without a validation split nothing is validated:
+    # the default patience is then moot, not an error.
+    values = {4: 0.9}
+    monkeypatch.setattr(selection_mod, "selection_value", lambda ev, task: values[ev.step])
+    for extra in ("train.valid_every=0", "data.synthetic.valid_examples=0"):
+        res = Trainer(selection_config(tmp_path, "train.steps=4", "train.early_stop_patience=1", extra)).fit()
+        assert not res.early_stopped and res.step == 4
+        assert [r["step"] for r in _rows(res.run_dir, "valid")] == ([4] if "every" in extra else [])

@@ -135,8 +135,9 @@ def _head_major(flat: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
 
     Head-major once per call, so that each group's gather is a contiguous ``[H, G, L, D]`` batch for the
     matmuls (no per-group transposes)."""
-    out = torch.zeros(flat.shape[1], flat.shape[0] + 1, flat.shape[2], dtype=cdt, device=flat.device)
+    out = torch.empty(flat.shape[1], flat.shape[0] + 1, flat.shape[2], dtype=cdt, device=flat.device)
     out[:, :-1] = flat.transpose(0, 1)
+    out[:, -1] = 0  # only the padding row: zero-filling all of it first was a whole extra pass
     return out
 
 

@@ -27,10 +27,11 @@ from gem_parallel.balance.simulation import (
     SIM_POLICIES,
     LengthLaw,
     SimConfig,
+    parse_level,
     simulate,
 )
 
-COLUMNS = ("mean", "worst", "late", "wait_p99", "wait_max", "held_max")
+COLUMNS = ("mean", "worst", "late", "wait_p99", "wait_max", "held_max", "forced", "level_error")
 
 
 def _write_json(path: Path, data: object) -> None:
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--headroom", type=float, nargs="+", default=[d.headroom])
     s.add_argument("--dist", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
     s.add_argument("--policies", nargs="+", choices=SIM_POLICIES, default=list(d.policies))
-    s.add_argument("--levels", nargs="+", choices=LEVELS, default=list(d.levels))
+    s.add_argument("--levels", nargs="+", default=list(d.levels), metavar="LEVEL",
+                   help=f"of {LEVELS}; common:K = the mean cost of one calibration sample of K lengths, the "
+                   "same on every rank (e.g. common:65536); known:s = the exact level times s")  # fmt: skip
     for name in ("steps", "warmup", "global_steps", "rank_chunk", "seed"):
         s.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     s.add_argument(
@@ -97,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     if any(v < 1 for v in (*a.ranks, *a.batch, *a.pool_batches)):
         ap.error("--ranks, --batch and --pool-batches must be >= 1")
+    for level in a.levels:
+        try:
+            parse_level(level)
+        except ValueError as e:
+            ap.error(f"--levels: {e}")
     cost = _cost(a)
     print(f"cost: {_describe(cost)}", flush=True)
     print("metric: heaviest / mean rank of the variable batch cost per step, over the steps after --warmup "
@@ -118,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(res)
         for name, m in res["methods"].items():
             cells = [f"{m[c]:.4f}" if c in ("mean", "worst", "late") else
-                     (f"{m[c]:.0f}" if c in m else "") for c in COLUMNS]  # fmt: skip
+                     f"{100 * m[c]:+.2f}%" if c == "level_error" and m.get(c) is not None else
+                     (f"{m[c]:.0f}" if m.get(c) is not None and c != "level_error" else "")
+                     for c in COLUMNS]  # fmt: skip
             print(f"| {dist} | {ranks} | {batch} | {pool} | {history} | {headroom} | {name} | "
                   + " | ".join(cells) + " |", flush=True)  # fmt: skip
         print(

@@ -30,6 +30,7 @@ __all__ = [
     "CostModel",
     "LinearCost",
     "MixCost",
+    "calibration_level",
     "default_cost_file",
     "fit_mix_cost",
     "get_cost_model",
@@ -50,6 +51,17 @@ def total_lengths(lengths: Any) -> torch.Tensor:
     if t.numel() and bool((t < 0).any()):
         raise ValueError(f"lengths must be >= 0, got min {float(t.min())}")
     return t
+
+
+def calibration_level(cost: CostModel | str, lengths: Any) -> float:
+    """The mean cost of a sample over a calibration sample's ``[n]`` / ``[n, S]`` lengths (n >= 1): the
+    level (``BaseBatchShuffler(mean_cost=...)``) every rank computes identically when every rank reads the
+    same calibration sample (e.g. the first rows of the global training stream), with no communication.
+    Summed exactly (``math.fsum``), so the result does not depend on thread count or summation order."""
+    costs = get_cost_model(cost).sample_costs(total_lengths(lengths))
+    if costs.numel() == 0:
+        raise ValueError("calibration_level: the calibration sample is empty")
+    return math.fsum(costs.tolist()) / costs.numel()
 
 
 class CostModel(Protocol):

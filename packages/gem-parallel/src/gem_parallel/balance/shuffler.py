@@ -95,9 +95,11 @@ class BaseBatchShuffler(Generic[SubBatch, Batch]):
             ``8 * pool_batches`` (sliding).
         soft_wait: (capped) batches after which a sample is taken first while it fits; default
             ``4 * pool_batches``.
-        mean_cost: (capped, sliding) the expected cost per sample, if known (e.g. from the data set's length
-            statistics: the same on every rank); default: the running mean of the samples this rank has
-            read, whose rank-to-rank spread (~ CV / sqrt(samples read)) is what limits balance early on.
+        mean_cost: (capped, sliding) the expected cost per sample, the same on every rank: e.g.
+            :func:`~gem_parallel.balance.calibration_level` of one calibration sample every rank reads alike
+            (no communication; its error moves every rank's cap alike); default: the running mean of the
+            samples this rank has read, whose rank-to-rank spread (~ CV / sqrt(samples read)) is what limits
+            balance early on.
     """
 
     def __init__(

@@ -22,7 +22,11 @@ Methods, all from independent streams (rank r reads its own ``batch`` samples pe
   shuffler builds it when not given ``mean_cost``; ``history`` batches are counted as read before step 0:
   0 is a cold start) or ``shared`` (the mean over every rank's running sums at step 0, after each has filled
   its first pool, then fixed: what one all-reduce of two numbers per rank at the start gives, passed to every
-  rank's shuffler as ``mean_cost``; not simulated by default).
+  rank's shuffler as ``mean_cost``; not simulated by default) or ``common:K`` (the mean cost of one
+  calibration sample of ``K`` lengths drawn from the stream's law with the fixed seed
+  :data:`COMMON_SEED`, independent of every rank's stream: what every rank computes identically from data
+  every rank can read, with no communication; its error is common to all ranks) or ``known:s`` (the exact
+  level times ``s``: a level off by a known factor, e.g. ``known:0.98``, to map the margin).
 
 Every rank is simulated (no extrapolation); ranks are processed in chunks of ``rank_chunk`` to bound memory.
 """
@@ -37,14 +41,17 @@ from typing import Any
 
 import torch
 
-from gem_parallel.balance.cost import CostModel
+from gem_parallel.balance.cost import CostModel, calibration_level
 from gem_parallel.balance.policies import capped_target, sliding_select, take_overdue
 
 __all__ = [
+    "COMMON_SEED",
     "DISTRIBUTIONS",
     "LengthLaw",
     "SimConfig",
+    "common_level",
     "global_largest_first",
+    "parse_level",
     "sample_lengths",
     "simulate",
     "simulate_bbs",
@@ -53,7 +60,32 @@ __all__ = [
 DISTRIBUTIONS = ("lognormal", "zipf")
 ZIPF_ALPHA = 1.05
 SIM_POLICIES = ("capped", "sliding")
-LEVELS = ("running", "known", "shared")
+LEVELS = ("running", "known", "shared", "common:K", "known:s")
+COMMON_SEED = 20_261_206  # the calibration sample's generator: not any rank's stream seed
+
+
+def parse_level(level: str) -> tuple[str, float | None]:
+    """``"running"`` / ``"known"`` / ``"shared"`` -> ``(name, None)``; ``"common:K"`` -> ``("common", K)``
+    (K an int >= 1); ``"known:s"`` -> ``("known", s)`` (s > 0). Raises ``ValueError`` on anything else."""
+    name, _, arg = level.partition(":")
+    if not arg and name in ("running", "known", "shared"):
+        return name, None
+    try:
+        if name == "common" and int(arg) >= 1 and str(int(arg)) == arg:
+            return name, float(int(arg))
+        if name == "known" and math.isfinite(float(arg)) and float(arg) > 0:
+            return name, float(arg)
+    except ValueError:
+        pass
+    raise ValueError(f"unknown level {level!r}; choose from {LEVELS} (K an int >= 1, s > 0)")
+
+
+def common_level(cost: CostModel, law: LengthLaw, samples: int, seed: int = COMMON_SEED) -> float:
+    """The ``common:K`` level: the mean cost of ``samples`` lengths of ``law`` drawn with ``seed`` alone, so
+    every rank (any rank, any chunk) gets the same number (``calibration_level`` of them).
+    """
+    lengths = law.sample((samples,), torch.Generator().manual_seed(seed))
+    return calibration_level(cost, lengths)
 
 
 @dataclass(frozen=True)
@@ -131,8 +163,8 @@ class SimConfig:
             raise ValueError("SimConfig.warmup and history must be >= 0")
         if bad := set(self.policies) - set(SIM_POLICIES):
             raise ValueError(f"SimConfig.policies: unknown {sorted(bad)}; choose from {SIM_POLICIES}")
-        if bad := set(self.levels) - set(LEVELS):
-            raise ValueError(f"SimConfig.levels: unknown {sorted(bad)}; choose from {LEVELS}")
+        for level in self.levels:
+            parse_level(level)
 
     def wait_bounds(self, policy: str) -> tuple[int, int]:
         """(max_wait, soft_wait) of ``policy``, the shuffler's defaults unless given."""
@@ -214,7 +246,12 @@ def simulate_bbs(
     out = torch.empty((total, cfg.ranks), dtype=torch.float64)
     wait_hist = torch.zeros(max_wait + 2, dtype=torch.int64)
     forced_n, held_max = 0, -math.inf
-    fixed = _shared_level(cost, cfg, seed) if level == "shared" else mu  # the level unless "running"
+    kind, arg = parse_level(level)
+    fixed = mu * (arg or 1.0)  # the level unless "running"
+    if kind == "shared":
+        fixed = _shared_level(cost, cfg, seed)
+    elif kind == "common":
+        fixed = common_level(cost, cfg.law, int(arg or 0))
     for c0 in range(0, cfg.ranks, cfg.rank_chunk):
         r = min(cfg.rank_chunk, cfg.ranks - c0)
         g = torch.Generator().manual_seed(seed * 1_000_003 + c0)
@@ -225,7 +262,7 @@ def simulate_bbs(
         seen_n = float(cfg.history * b + n)
         known = torch.full((r,), fixed, dtype=torch.float64)
         for t in range(total):
-            lvl = seen_sum / seen_n if level == "running" else known
+            lvl = seen_sum / seen_n if kind == "running" else known
             excess = pool.sum(1) - n * lvl
             hard = age >= max_wait
             forced_n += int(hard.sum())
@@ -244,7 +281,10 @@ def simulate_bbs(
             age = torch.where(sel, 0, age + 1)
             seen_sum = seen_sum + new.view(r, b).sum(1)
             seen_n += b
-    return {"costs": out, "wait_hist": wait_hist, "forced": forced_n, "held_max": held_max}
+    return {
+        "costs": out, "wait_hist": wait_hist, "forced": forced_n, "held_max": held_max,
+        "level_error": fixed / mu - 1 if kind != "running" else None,
+    }  # fmt: skip
 
 
 def _wait_stats(hist: torch.Tensor) -> dict[str, float]:
@@ -291,13 +331,14 @@ def simulate(cost: CostModel, cfg: SimConfig | None = None, *, log: Any = None) 
             res = simulate_bbs(cost, cfg, policy, level, mu, cfg.seed * 101 + 10 * i + j + 1)
             methods[f"bbs_{policy}_{level}"] = {
                 **_step_stats(res["costs"], cfg.warmup), **_wait_stats(res["wait_hist"]),
-                "forced": res["forced"], "held_max": res["held_max"],
+                "forced": res["forced"], "held_max": res["held_max"], "level_error": res["level_error"],
                 "pool_samples": cfg.pool_batches * cfg.batch,
             }  # fmt: skip
             if log:
                 m = methods[f"bbs_{policy}_{level}"]
                 log(f"  {cfg.law.dist} b={cfg.batch} P={cfg.pool_batches} {policy}/{level}: {m['mean']:.4f} "
-                    f"(worst {m['worst']:.4f}) in {time.perf_counter() - t0:.0f} s")  # fmt: skip
+                    f"(worst {m['worst']:.4f}, held max {m['held_max']:.0f}, forced {m['forced']}) in "
+                    f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
     return {
         "config": {**asdict(cfg), "law": asdict(cfg.law)},
         "cost": getattr(cost, "name", type(cost).__name__),

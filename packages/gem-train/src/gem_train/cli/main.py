@@ -4,6 +4,7 @@
     gem-train train [--config C] [--resume CKPT|RUN|latest [--allow-change KEY ...]] [key=value ...]
     gem-train eval --checkpoint CKPT [--split test|valid] [--batches N] [key=value ...]
     gem-train bench [--config C] [--steps N] [--warmup N] [key=value ...]
+    gem-train predict --checkpoint CKPT --out DIR [--split S|all] [--embeddings] [key=value ...]
     gem-train baseline [--config C] [key=value ...]   the plain MLP baseline on the same data and split
     gem-train data movielens-100k [--cache-dir D] [--wheel W]
     gem-train data synthetic [--config C] [--format parquet DIR] [key=value ...]
@@ -128,6 +129,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_parquet_parsers(dsub, cfg_help, ov_help)
 
+    from gem_train.cli.predict import add_parser as add_predict_parser  # batch inference (issue 36)
+
+    add_predict_parser(sub, _count, ov_help)
+
     c = sub.add_parser("config", help="print the resolved config as TOML")
     c.add_argument("--config", default=None, help=cfg_help)
     c.add_argument("overrides", nargs="*", help=ov_help)
@@ -191,7 +196,7 @@ def _train(cfg: TrainConfig, resume: str | None, allow_changes: list[str] | None
             print(result.best_eval.summary())
         if result.early_stopped:
             print(
-                f"early stop: step {result.step} of {cfg.train.steps}, best-validation step "
+                f"early stop: step {result.step} of {trainer.schedule.steps}, best-validation step "
                 f"{result.best_step} (train.early_stop_patience = {cfg.train.early_stop_patience})"
             )
         print(f"run directory: {result.run_dir}")
@@ -223,8 +228,8 @@ def _eval(args: argparse.Namespace) -> int:
     split: HeldOutSplit = args.split
     if not run.source.num_batches(split, cfg.data.eval_batch_size):
         raise ConfigError(
-            "this dataset has no validation split (data.movielens.valid_fraction or "
-            "data.synthetic.valid_examples is 0); use --split test or set it"
+            "this dataset has no validation split (data.synthetic.valid_examples, "
+            "data.movielens.valid_fraction or data.parquet.valid_fraction is 0); use --split test or set it"
         )
     state = load_checkpoint(ckpt, run.model, None, restore_rng=False)
     step = int(state["step"])
@@ -350,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     from gem_train.data.workers import LoaderWorkerError
     from gem_train.loop.signals import StopNow
     from gem_train.loop.trainer import NonFiniteLossError
+    from gem_train.transfer.errors import TransferDataError
 
     try:
         if args.command is None:
@@ -378,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "predict":
+            from gem_train.cli.predict import run as run_predict
+
+            return run_predict(args, _checkpoint_config)
         if args.command == "data":
             return _data(args)
         if args.command == "config":
@@ -395,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         DataFetchError,
         CheckpointError,
         LoaderWorkerError,
+        TransferDataError,
         OSError,  # a missing or unreadable file (FileNotFoundError, PermissionError, ...)
     ) as e:
         print(f"gem-train: error: {e}", file=sys.stderr)

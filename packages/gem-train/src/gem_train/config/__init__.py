@@ -13,6 +13,7 @@ Modules: :mod:`~gem_train.config.schema` (the sections and their checks; ``[data
 
 from gem_train.config.checks import ConfigError
 from gem_train.config.data import DataConfig, MovieLensConfig, ParquetConfig, SyntheticConfig
+from gem_train.config.distill import DistillConfig
 from gem_train.config.overrides import apply_overrides, parse_override
 from gem_train.config.parallel import ParallelSection
 from gem_train.config.schema import (
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "DistillConfig",
     "ModelSection",
     "MovieLensConfig",
     "OptimConfig",

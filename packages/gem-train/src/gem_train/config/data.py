@@ -34,9 +34,23 @@ class SyntheticConfig:
     base_cvr_logit: float = -1.0
     train_examples_per_epoch: int = 0  # 0: an endless stream; else the stream repeats after this many
     eval_examples: int = 8192  # the held-out (test) split
-    # A second held-out split for model selection (train.valid_every); 0: none. Its impressions come from
-    # their own random stream (split code "valid"), disjoint from the training and the test streams.
-    valid_examples: int = 0
+    # The validation split (model selection, early stopping: train.valid_every); its impressions come from
+    # their own random stream (split code "valid"), disjoint from the training and the test streams. 0: no
+    # validation split (then no checkpoints/best; a warning says so).
+    valid_examples: int = 4096
+    # Time and drift (knowledge-transfer studies: a teacher trained on an earlier window, a student on a
+    # later one). Window w's request times lie in [T0 + w * 60 days, T0 + (w + 1) * 60 days) and its
+    # impressions come from their own random streams; `stream` draws another independent sample of the same
+    # window's traffic. With drift > 0 the ground truth moves with time: at u = (request_time - T0) / 60 days
+    # both tasks' base logits shift by -drift * u and each CTR term's weight is scaled by (1 + drift * u * d)
+    # with a fixed direction d per term (gem_train.data.synthetic.DRIFT_DIRECTIONS); the Bayes floor
+    # (true_probs) uses each example's own weights. window = stream = 0 and drift = 0: the data as before.
+    window: int = 0
+    stream: int = 0
+    drift: float = 0.0
+    # The seed of the hidden world and of every stream; -1: run.seed. Fix it to train several model seeds
+    # (run.seed) on the same data, e.g. students of one teacher.
+    seed: int = -1
 
     def validate(self, key: str = "data.synthetic") -> None:
         for name in (
@@ -52,7 +66,7 @@ class SyntheticConfig:
             raise ConfigError(
                 f"{key}.num_actions must be >= 2 (views and clicks at least), got {self.num_actions!r}"
             )
-        for name in ("n_dense", "train_examples_per_epoch", "valid_examples"):
+        for name in ("n_dense", "train_examples_per_epoch", "valid_examples", "window", "stream"):
             _int_in(f"{key}.{name}", getattr(self, name), 0)
         _real(f"{key}.history_lognormal_mu", self.history_lognormal_mu, -50.0, 50.0)
         _real(f"{key}.history_lognormal_sigma", self.history_lognormal_sigma, 0.0, 50.0)
@@ -60,6 +74,8 @@ class SyntheticConfig:
         _real(f"{key}.item_zipf_s", self.item_zipf_s, 0.0, 50.0)
         _real(f"{key}.base_ctr_logit", self.base_ctr_logit, -50.0, 50.0)
         _real(f"{key}.base_cvr_logit", self.base_cvr_logit, -50.0, 50.0)
+        _real(f"{key}.drift", self.drift, 0.0, 10.0)
+        _int_in(f"{key}.seed", self.seed, -1, 2**32 - 1)
 
 
 @dataclass
@@ -103,6 +119,11 @@ class DataConfig:
     batch_size: int = 256
     eval_batch_size: int = 1024
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the main process)
+    # Standardise the dense features with the mean and standard deviation of the first training batches
+    # (measured before training, stored in the checkpoint as buffers of the model's ``dense_norm`` module,
+    # so evaluation and resume use the same statistics). false: the features go in as they are (a warning
+    # says when one is far from unit scale).
+    normalize_dense: bool = False
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     movielens: MovieLensConfig = field(default_factory=MovieLensConfig)
     parquet: ParquetConfig = field(default_factory=ParquetConfig)  # your own Parquet files

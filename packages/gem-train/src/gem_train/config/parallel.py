@@ -57,6 +57,10 @@ class ParallelSection:
     # Jagged-batch load balancing: "base_batch_shuffling" (each rank's own batches, gem_train.data.balance)
     # or "global" (every step's samples repartitioned across the ranks, gem_train.data.global_balance).
     balancer: Literal["none", "base_batch_shuffling", "global"] = "none"
+    # "base_batch_shuffling": rows of the training split whose mean cost is the level every rank aims at
+    # (gem_train.data.balance.common_level: read identically on every rank, no communication). Read once by a
+    # fresh balanced stream; a resume keeps its checkpoint's level.
+    balancer_calibration: int = 1_048_576
     # Collective timeout (s) of the process group: a rank that died or hangs makes every other rank fail
     # with an error after at most this long, never a silent hang.
     timeout_s: float = 600.0
@@ -72,6 +76,9 @@ class ParallelSection:
             raise ConfigError(toml_message(e)) from None
         self._check_degrees()
         _real(f"{key}.timeout_s", self.timeout_s, 0.0, 86_400.0, lo_open=True)
+        n = self.balancer_calibration
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"{key}.balancer_calibration must be an int >= 1 (rows), got {n!r}")
         if self.group_size != -1 and self.strategy in ("none", "1d"):
             raise ConfigError(
                 f"{key}.group_size = {self.group_size} is for 2D sharding; set {key}.strategy = '2d' or "

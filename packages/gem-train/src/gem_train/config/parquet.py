@@ -4,8 +4,8 @@ Tables of features are keyed by feature name, in the order they appear (that ord
 
     [data.parquet]
     root = "/data/ads"                       # relative paths below start here ("{cache}": gem's cache dir)
-    train = ["train/*.parquet"]              # paths or globs (sorted); valid = [] means no validation split
-    valid = ["valid/*.parquet"]
+    train = ["train/*.parquet"]              # paths or globs (sorted)
+    valid = ["valid/*.parquet"]              # [] -> the latest valid_fraction of the training rows by time
     test = ["test/*.parquet"]
 
     [data.parquet.dense]
@@ -27,6 +27,9 @@ Tables of features are keyed by feature name, in the order they appear (that ord
     [data.parquet.labels]                    # task = column (nullable: null masks the task for the row)
     ctr = "click"
     cvr = "conversion"
+
+    keys = ["impression_id"]                 # (under [data.parquet]) columns that identify a row: written by
+                                             # `gem-train predict`, joined on by [distill] (optional)
 """
 
 from __future__ import annotations
@@ -140,10 +143,17 @@ class ParquetConfig:
     dense_nan: Literal["error", "fill"] = "error"  # a NaN (or null) dense value: a bad row, or dense_fill
     dense_fill: float = 0.0
     request_time: str = ""  # int64 column; "" -> the row's latest event timestamp (0 without events)
+    # With no valid files: the validation split is the latest valid_fraction of the training rows by
+    # request time (the request_time column, else each row's latest history timestamp; with no time at all
+    # the last rows in file order), and training keeps the rest. 0: no validation split.
+    valid_fraction: float = 0.1
     dense: DenseColumns = field(default_factory=DenseColumns)
     sparse: dict[str, Any] = field(default_factory=dict)  # name -> SparseColumn table
     sequences: dict[str, Any] = field(default_factory=dict)  # name -> SequenceColumns table
     labels: dict[str, Any] = field(default_factory=dict)  # task -> column
+    # Columns (int or string, non-null) that identify a row: `gem-train predict` writes them beside the
+    # predictions so the output joins back to the table, and [distill] joins teacher predictions on them.
+    keys: list[str] = field(default_factory=list)
 
     def sparse_features(self) -> list[tuple[str, SparseColumn]]:
         """(name, column spec) of every sparse feature, in order (the tables parsed and type-checked)."""
@@ -159,6 +169,8 @@ class ParquetConfig:
         """Range checks; ``required`` (the dataset is in use): train/test files and features must be set."""
         if self.shuffle_buffer < 1:
             raise _config_error(f"{key}.shuffle_buffer must be >= 1, got {self.shuffle_buffer!r}")
+        if not (math.isfinite(self.valid_fraction) and 0.0 <= self.valid_fraction < 1.0):
+            raise _config_error(f"{key}.valid_fraction must be in [0, 1), got {self.valid_fraction!r}")
         if not math.isfinite(self.dense_fill):
             raise _config_error(f"{key}.dense_fill must be a finite number, got {self.dense_fill!r}")
         self.dense.validate(f"{key}.dense")
@@ -166,6 +178,8 @@ class ParquetConfig:
             sp.validate(f"{key}.sparse.{name}")
         for name, sq in self.sequence_features():
             sq.validate(f"{key}.sequences.{name}")
+        if len(set(self.keys)) != len(self.keys) or not all(self.keys):
+            raise _config_error(f"{key}.keys must name distinct columns, got {self.keys}")
         for task, col in self.labels.items():
             if not isinstance(col, str) or not col:
                 raise _config_error(f"{key}.labels.{task} must name a column (a string), got {col!r}")

@@ -19,6 +19,7 @@ from gem_train.config.checks import ConfigError
 from gem_train.config.checks import int_in as _int_in
 from gem_train.config.checks import real as _real
 from gem_train.config.data import DataConfig
+from gem_train.config.distill import DistillConfig
 from gem_train.config.gbdt import GbdtConfig
 from gem_train.config.parallel import ParallelSection
 
@@ -141,19 +142,26 @@ class TrainerConfig:
     """The loop: length, logging, evaluation, precision, failure policy."""
 
     steps: int = 1000
+    # Run length in passes over the training data (a float; 0: use train.steps): steps = ceil(epochs x
+    # batches per epoch / ranks). Finite datasets only (Parquet, MovieLens, synthetic with
+    # data.synthetic.train_examples_per_epoch > 0).
+    epochs: float = 0.0
     log_every: int = 20
     eval_every: int = 0  # steps between evaluations on the test split; 0: only at the end
     eval_batches: int = 0  # 0: the whole evaluation (test) split
-    # Model selection: evaluate the validation split every valid_every steps (and at the last step), keep the
+    # Model selection: evaluate the validation split every valid_every steps and at the last step, keep the
     # checkpoint of the lowest validation NE in checkpoints/best, and report its test metrics at the end.
-    # 0: no validation. Needs a validation split (data.movielens.valid_fraction or
-    # data.synthetic.valid_examples > 0).
-    valid_every: int = 0
+    # "auto": about 10 validations per run (every ceil(steps / 10) steps), and at least one per pass over
+    # a finite training set; 0: only at the last step. Every dataset has a validation split by default;
+    # with none (its size set to 0) no selection happens.
+    valid_every: int | Literal["auto"] = "auto"
     valid_batches: int = 0  # 0: the whole validation split
     select_task: str = "ctr"  # the task whose validation NE selects; "mean": the mean NE over all tasks
     # Early stopping: end the run after this many validation evaluations in a row without a new best
-    # (the best checkpoint is then evaluated on the test split as usual); 0: off. Needs valid_every > 0.
-    early_stop_patience: int = 0
+    # (the best checkpoint is then evaluated on the test split as usual); 0: off. 3 by default: with the
+    # ~10 validations of valid_every = "auto" a run ends at most ~30% of its length after its best
+    # checkpoint (Lightning's EarlyStopping default patience is 3 too).
+    early_stop_patience: int = 3
     autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     nan_policy: Literal["stop", "skip"] = "stop"
     max_skipped_batches: int = 10  # with nan_policy="skip": stop after this many non-finite losses
@@ -172,15 +180,16 @@ class TrainerConfig:
         _int_in(f"{key}.steps", self.steps, 1)
         _int_in(f"{key}.log_every", self.log_every, 1)
         for name in (
-            "eval_every", "eval_batches", "valid_every", "valid_batches", "max_skipped_batches",
-            "early_stop_patience",
+            "eval_every", "eval_batches", "valid_batches", "max_skipped_batches", "early_stop_patience",
         ):  # fmt: skip
             _int_in(f"{key}.{name}", getattr(self, name), 0)
-        if self.early_stop_patience and not self.valid_every:
-            raise ConfigError(
-                f"{key}.early_stop_patience = {self.early_stop_patience} counts validation evaluations: "
-                f"it needs {key}.valid_every > 0 (or set it to 0)"
-            )
+        if self.valid_every != "auto":
+            if isinstance(self.valid_every, str):
+                raise ConfigError(
+                    f"{key}.valid_every must be 'auto' or an int >= 0, got {self.valid_every!r}"
+                )
+            _int_in(f"{key}.valid_every", self.valid_every, 0)
+        _real(f"{key}.epochs", self.epochs, 0.0, 100_000.0)
         if not self.select_task:
             raise ConfigError(f"{key}.select_task must name a task (e.g. 'ctr') or be 'mean'")
         _real(f"{key}.peak_flops", self.peak_flops, 0.0)
@@ -234,6 +243,7 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # knowledge transfer (gem_train.transfer)
 
     def validate(self) -> None:
         """Check every value's range (types are checked at load time), section by section; raise
@@ -246,3 +256,4 @@ class TrainConfig:
         self.precision.validate("precision")
         self.checkpoint.validate("checkpoint")
         self.parallel.validate("parallel")
+        self.distill.validate("distill")

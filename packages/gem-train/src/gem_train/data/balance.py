@@ -5,10 +5,10 @@ The rank's ordinary training stream (batches of ``data.batch_size``) is read as 
 (``sub_batch_size = data.batch_size``, ``sub_batches_per_batch = 1``): a training batch keeps
 ``data.batch_size`` samples, drawn from a pool of ``default_pool_batches(data.batch_size)`` batches (4, and at
 least 256 samples) by the cost of each sample (``get_cost_model("mix")`` of the sum of its behaviour-sequence
-lengths) with the shuffler's :data:`POLICY`: each batch aimed at the running mean cost, never more than
-``headroom`` (2%) above it; what a heavy stretch of the stream brings beyond that waits in the pool (at most
-16 pool sizes of batches). Every sample of
-the stream is trained on exactly once. A checkpoint of the earlier ``"sliding"`` policy resumes with that
+lengths) with the shuffler's :data:`POLICY`: each batch aimed at the *level* (the expected cost of a sample
+times the batch size), never more than ``headroom`` (2%) above it; what a heavy stretch of the stream
+brings beyond that waits in the pool (at most 16 pool sizes of batches). Every sample of the stream is
+trained on exactly once. A checkpoint of the earlier ``"sliding"`` policy resumes with that
 policy (its state names it). The shuffler's state is in every checkpoint (``trainer_state["balancer"]``), with
 ``base``: the global batch at which the balanced stream began, so a resume re-reads the same stream.
 
@@ -24,6 +24,7 @@ from a run that kept its world size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -36,9 +37,13 @@ from gem_model import GemBatch, JaggedSequence
 from gem_train.data.loader import LoadedBatch
 
 __all__ = [
+    "CALIBRATION_BATCH",
+    "CALIBRATION_SAMPLES",
     "POLICY",
     "BalancedTrainStream",
     "balanced_stream",
+    "calibration_batches",
+    "common_level",
     "concat_batches",
     "reshard_balancer",
     "sample_lengths",
@@ -47,6 +52,14 @@ __all__ = [
 Sample = tuple[int, int]  # (global batch index, row in it)
 
 POLICY = "capped"  # gem_parallel.balance's default: the heaviest rank bounded by the cap (issue 38)
+# The common level's calibration sample. Its error, ~ CV / sqrt(K), is common to all ranks; what matters is
+# that it stays inside the capped policy's window, about -1% .. +0.7% at headroom 0.02: a level too low puts
+# the caps at the true mean and the pools clog over long runs; one high by e lifts every rank to ~(1 +
+# headroom)(1 + e). At K = 2**20 the error's std is 0.23% / 0.27% (the log-normal / Zipf streams of issue 38,
+# CV 2.4 / 2.9): ~4 std from the low edge, ~3 from the high one (gem-parallel's BENCHMARKS.md, "A common level
+# without communication": the sweep over K and over a level off by a known factor).
+CALIBRATION_SAMPLES = 1_048_576  # parallel.balancer_calibration's default
+CALIBRATION_BATCH = 1_024  # rows per read of the calibration sample (transient host memory)
 
 
 def sample_lengths(batch: GemBatch) -> Tensor:
@@ -116,6 +129,34 @@ def collate(subs: list[LoadedBatch], index: list[tuple[int, int]]) -> LoadedBatc
     return LoadedBatch(batch, -1, probs)
 
 
+def calibration_batches(source: Any, samples: int, read_batch: int) -> list[int]:
+    """The global training batches (of ``read_batch`` rows) of the calibration sample: ``ceil(samples /
+    read_batch)`` of them, spread evenly over one pass of the training split when the source has passes
+    (``num_batches``; the first rows alone would miss a drift of the lengths along the split, e.g. histories
+    growing with time), else the first ones. A function of the source's size alone: the same on every rank."""
+    n = math.ceil(samples / read_batch)
+    total = source.num_batches("train", read_batch)
+    stride = max(1, int(total) // n) if total else 1
+    return [k * stride for k in range(n)]
+
+
+def common_level(
+    source: Any, samples: int = CALIBRATION_SAMPLES, read_batch: int = CALIBRATION_BATCH
+) -> float:
+    """The expected cost of a sample, every rank alike: the mean ``get_cost_model("mix")`` cost of
+    ``samples`` rows of ``source``'s training split, the first rows of the global batches
+    :func:`calibration_batches` names (``source.get("train", k, read_batch)``). A function of the source
+    alone (no rank, no world size, no seed), summed exactly (:func:`gem_parallel.balance.calibration_level`):
+    bit-identical on every rank. Cost: reading ``samples`` rows once, before the first batch."""
+    from gem_parallel.balance import calibration_level
+
+    if samples < 1 or read_batch < 1:
+        raise ValueError(f"common_level: samples and read_batch must be >= 1, got {samples}, {read_batch}")
+    lengths = [sample_lengths(source.get("train", k, read_batch).batch)
+               for k in calibration_batches(source, samples, read_batch)]  # fmt: skip
+    return calibration_level("mix", torch.cat(lengths)[:samples])
+
+
 class BalancedTrainStream:
     """This rank's balanced training batches (``LoadedBatch``; ``index``: the emitted batch's ordinal).
 
@@ -127,6 +168,8 @@ class BalancedTrainStream:
             ``base + k * world_size + r``).
         batch_size, seed: ``data.batch_size`` and the shuffler's seed (per rank: see :func:`balanced_stream`).
         policy: the shuffler's policy (:data:`POLICY`; a resumed stream keeps its checkpoint's).
+        mean_cost: the level (the shuffler's ``mean_cost``: :func:`common_level`, the same on every rank);
+            None: each rank's running mean (a checkpoint of an older gem-train).
         pin: pin the emitted batches (they are new tensors, no longer the loader's pinned ones).
         carry: ``(global batch, row)`` samples read before the plain stream, ``batch_size`` per sub-batch.
         fetch: ``fetch(global_batch)`` -> that training batch (needed with a ``carry``).
@@ -135,7 +178,7 @@ class BalancedTrainStream:
     def __init__(
         self, open_stream: Callable[[int], Any], *, base: int, world_size: int, batch_size: int, seed: int,
         pin: bool = False, carry: Sequence[Sample] = (), fetch: Callable[[int], LoadedBatch] | None = None,
-        policy: str = POLICY,
+        policy: str = POLICY, mean_cost: float | None = None,
     ) -> None:  # fmt: skip
         from gem_parallel.balance import BaseBatchShuffler
 
@@ -156,6 +199,7 @@ class BalancedTrainStream:
             sub_batches_per_batch=1,
             seed=seed,
             policy=policy,
+            mean_cost=mean_cost,
         )
         self._states: dict[int, dict[str, Any]] = {}
         self._emitted = 0
@@ -201,10 +245,12 @@ class BalancedTrainStream:
 def balanced_stream(
     source: Any, *, rank: int, world_size: int, batch_size: int, seed: int, base: int = 0,
     carry: Sequence[Sample] = (), num_workers: int = 0, pin: bool = False, policy: str = POLICY,
+    mean_cost: float | None = None,
 ) -> BalancedTrainStream:  # fmt: skip
     """Rank ``rank``'s balanced stream of ``source`` (a ``BatchSource``): the trainer's and the one-process
     reference's (``benchmarks/one_process_reference.py``). ``seed``: the run's; each rank's shuffler gets its
-    own."""
+    own. ``mean_cost``: the level, :func:`common_level` of ``source`` in the trainer (None: each rank's
+    running mean)."""
     from gem_train.data.loader import make_train_loader
 
     def open_stream(position: int) -> Any:
@@ -216,6 +262,7 @@ def balanced_stream(
     return BalancedTrainStream(
         open_stream, base=base, world_size=world_size, batch_size=batch_size, seed=seed + 7_919 * rank,
         pin=pin, carry=carry, fetch=lambda b: source.get("train", b, batch_size), policy=policy,
+        mean_cost=mean_cost,
     )  # fmt: skip
 
 

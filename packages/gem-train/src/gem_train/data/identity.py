@@ -63,18 +63,30 @@ def show(value: Any, limit: int = 100) -> str:
 
 def identity_differences(old: dict[str, Any], new: dict[str, Any]) -> list[DataDifference]:
     """The differences in content between a checkpoint's data identity ``old`` and this run's ``new``."""
+    teacher = _teacher_differences(old, new)  # a [distill] student's teacher (gem_train.transfer)
     src_old, src_new = old.get("source"), new.get("source")
     if src_old != src_new:
         return [DataDifference("data.source", f"the data source {show(src_old)} -> {show(src_new)}", ())]
     if src_new == "parquet":
         from gem_train.data.parquet.identity import parquet_differences
 
-        return parquet_differences(old, new)
+        return teacher + parquet_differences(old, new)
     section = {"movielens-100k": "data.movielens", "synthetic": "data.synthetic"}.get(str(src_new), "data")
     a, b = old.get("content") or {}, new.get("content") or {}
-    out = []
+    out = teacher
     for k in sorted(set(a) | set(b)):
         if a.get(k) != b.get(k):
             detail = f"{k} {show(a.get(k), 60)} -> {show(b.get(k), 60)}"
             out.append(DataDifference(section, detail, ("data.source", section)))
     return out
+
+
+def _teacher_differences(old: dict[str, Any], new: dict[str, Any]) -> list[DataDifference]:
+    """A distilled student's teacher data (``"teacher"``: the config key and the sha256 of the predictions'
+    or the teacher checkpoint's manifest, :meth:`gem_train.transfer.source.DistillSource.data_identity`)."""
+    a, b = old.get("teacher"), new.get("teacher")
+    if a == b:
+        return []
+    key = str((b or a or {}).get("key", "distill.teacher"))
+    detail = f"the teacher's data {show(a, 60)} -> {show(b, 60)}"
+    return [DataDifference(key, detail, ("distill",))]

@@ -36,7 +36,16 @@ from gem_train.data.loader import LoadedBatch
 from gem_train.data.split import HELD_OUT, Split, check_split
 from gem_train.evaluation.metrics import ground_truth_ne  # re-exported: the floor of this dataset's NE
 
-__all__ = ["SyntheticAds", "SyntheticBatch", "expected_sigmoid", "ground_truth_ne", "history_signals"]
+__all__ = [
+    "DRIFT_DIRECTIONS",
+    "T0",
+    "WINDOW_SECONDS",
+    "SyntheticAds",
+    "SyntheticBatch",
+    "expected_sigmoid",
+    "ground_truth_ne",
+    "history_signals",
+]
 
 # The random stream of each split (the codes are part of the data: they never change).
 _SPLIT_CODE = {"train": 0, "test": 1, "valid": 2}
@@ -51,6 +60,20 @@ _USER_BIAS_SD = 0.4  # user_bias ~ N(0, 0.4^2)
 _BIAS_VIEW_SD = 0.4  # dense[:, 4] = user_bias + N(0, 0.4^2) (a "user click-propensity score")
 _BIAS_VIEW_COLUMN = 4
 _QUADRATURE_POINTS = 32
+WINDOW_SECONDS = 60 * _DAY  # a time window of request times (data.synthetic.window)
+T0 = _T0
+# Drift (data.synthetic.drift): at u = (request_time - T0) / WINDOW_SECONDS both tasks' base logits shift by
+# -drift * u and each CTR term's weight is scaled by (1 + drift * u * d), d per term (fixed: part of the
+# data's definition). A teacher trained at small u sees other weights than a student at larger u.
+DRIFT_DIRECTIONS = {
+    "taste": -0.6,
+    "item_quality": 0.5,
+    "advertiser_quality": -0.5,
+    "user_bias": 0.0,
+    "category_share": 0.5,
+    "clicked_before": -0.8,
+    "hour": 1.0,
+}
 
 
 @dataclass
@@ -142,7 +165,7 @@ class SyntheticAds:
 
     def __init__(self, cfg: SyntheticConfig, seed: int = 0) -> None:
         self.cfg = cfg
-        self.seed = int(seed)
+        self.seed = int(seed) if cfg.seed < 0 else cfg.seed  # data.synthetic.seed, else the run's seed
         self.spec = FeatureSpec(
             n_dense=cfg.n_dense,
             sparse=(
@@ -261,11 +284,15 @@ class SyntheticAds:
         size)."""
         check_split(split)
         c = self.cfg
-        rng = np.random.default_rng([self.seed, _SPLIT_CODE[split], int(index), int(batch_size)])
+        key = [self.seed, _SPLIT_CODE[split], int(index), int(batch_size)]
+        if c.window or c.stream:  # its own random stream (window 0 and stream 0: the data as before)
+            key += [7_777, c.window, c.stream]
+        rng = np.random.default_rng(key)
         b = batch_size
 
         user = _zipf_index(rng, c.num_users, b, 0.6)
-        request_time = _T0 + rng.integers(0, 60 * _DAY, b)
+        request_time = _T0 + c.window * WINDOW_SECONDS + rng.integers(0, WINDOW_SECONDS, b)
+        f = self._drift_factors(request_time)
         hour = (request_time % _DAY) / _DAY * 2 * np.pi
 
         # History: 75% from the user's interests (by interest weight), 25% from global popularity.
@@ -327,24 +354,26 @@ class SyntheticAds:
 
         ctr_logit = (
             c.base_ctr_logit
-            + _TASTE_WEIGHT * taste
-            + self.item_quality[ad]
-            + self.adv_quality[adv]
-            + self.user_bias[user]
-            + 2.0 * cat_share
-            + 1.0 * clicked_before
-            + 0.4 * np.sin(hour)
+            + f["base"]
+            + _TASTE_WEIGHT * f["taste"] * taste
+            + f["item_quality"] * self.item_quality[ad]
+            + f["advertiser_quality"] * self.adv_quality[adv]
+            + f["user_bias"] * self.user_bias[user]
+            + 2.0 * f["category_share"] * cat_share
+            + 1.0 * f["clicked_before"] * clicked_before
+            + 0.4 * f["hour"] * np.sin(hour)
             + dense_effect
         )
         cvr_logit = (
             c.base_cvr_logit
+            + f["base"]
             + 0.8 * self.item_quality[ad]
             + 1.0 * self.adv_quality[adv]
             + 0.4 * taste
             + 3.0 * (buy_rate - 0.1)
             + 4.0 * (self.user_buyer[user] - 1.0 / 7.0)
         )
-        residual, residual_var = self._ctr_residual(user, ad, taste, views)
+        residual, residual_var = self._ctr_residual(user, ad, taste, views, f)
         identifiable = expected_sigmoid(ctr_logit - residual, residual_var)
         p_ctr, p_cvr = _sigmoid(ctr_logit), _sigmoid(cvr_logit)
         click = rng.uniform(size=b) < p_ctr
@@ -388,15 +417,34 @@ class SyntheticAds:
         )
         return SyntheticBatch(batch, np.stack([p_ctr, p_cvr], axis=1), identifiable, residual, residual_var)
 
+    def _drift_factors(self, request_time: np.ndarray) -> dict[str, np.ndarray | float]:
+        """The ground truth's weight factors at each request time (``data.synthetic.drift``): ``"base"`` the
+        base-logit shift, every other key a CTR term's multiplier (``[B]`` float64, or scalars without drift,
+        so the arithmetic of undrifted data is unchanged)."""
+        drift = self.cfg.drift
+        if not drift:
+            return {"base": 0.0, **dict.fromkeys(DRIFT_DIRECTIONS, 1.0)}
+        u = (request_time - _T0) / WINDOW_SECONDS
+        out: dict[str, np.ndarray | float] = {"base": -drift * u}
+        for term, d in DRIFT_DIRECTIONS.items():
+            out[term] = 1.0 + drift * u * d
+        return out
+
     def _ctr_residual(
-        self, user: np.ndarray, ad: np.ndarray, taste: np.ndarray, views: list[np.ndarray]
+        self,
+        user: np.ndarray,
+        ad: np.ndarray,
+        taste: np.ndarray,
+        views: list[np.ndarray],
+        f: dict[str, np.ndarray | float],
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(r, Var[r | known])`` ``[B]``: the users' idiosyncratic part of the CTR logit, given what an
         oracle that cannot identify users knows (their interests and weights, the world, every feature).
 
         Taste: ``0.8 (user_vec - prior) . item_vec / sqrt(8)`` with ``user_vec - prior = 0.5 z``, so variance
         ``0.8^2 0.5^2 |item_vec|^2 / 8``. Bias: with its noisy view ``v`` a feature (dense column 4), the
-        posterior ``N(v s^2 / (s^2 + t^2), s^2 t^2 / (s^2 + t^2))``; without it, the prior ``N(0, s^2)``."""
+        posterior ``N(v s^2 / (s^2 + t^2), s^2 t^2 / (s^2 + t^2))``; without it, the prior ``N(0, s^2)``.
+        With drift each part is scaled by its term's factor ``f`` at the example's time."""
         vec = self.item_vec[ad]
         prior_taste = np.einsum("bd,bd->b", self.user_taste_prior[user], vec) / np.sqrt(_LATENT)
         taste_var = (_TASTE_WEIGHT * _USER_TASTE_NOISE) ** 2 * np.einsum("bd,bd->b", vec, vec) / _LATENT
@@ -405,5 +453,6 @@ class SyntheticAds:
             bias_mean, bias_var = views[_BIAS_VIEW_COLUMN] * s2 / (s2 + t2), s2 * t2 / (s2 + t2)
         else:
             bias_mean, bias_var = np.zeros(len(user)), s2
-        residual = _TASTE_WEIGHT * (taste - prior_taste) + (self.user_bias[user] - bias_mean)
-        return residual, taste_var + bias_var
+        ft, fb = f["taste"], f["user_bias"]
+        residual = _TASTE_WEIGHT * ft * (taste - prior_taste) + fb * (self.user_bias[user] - bias_mean)
+        return residual, np.square(ft) * taste_var + np.square(fb) * bias_var

@@ -190,7 +190,12 @@ def evaluate_model(
     results, preds = {}, {}
     for j, task in enumerate(tasks):
         sel = m[:, j]
-        if sel.any():
+        if sel.any() and not np.isfinite(p[sel, j]).all():
+            # A diverged model (non-finite weights): its metrics are NaN (they never select a checkpoint),
+            # and the training loop's non-finite policy decides what happens next.
+            nan = float("nan")
+            results[task] = BinaryMetrics(nan, nan, nan, nan, float(y[sel, j].mean()), int(sel.sum()))
+        elif sel.any():
             results[task] = binary_metrics(p[sel, j], y[sel, j], groups=None if u is None else u[sel])
             preds[task] = (p[sel, j], y[sel, j])
     floors = None

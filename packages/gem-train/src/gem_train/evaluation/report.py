@@ -28,11 +28,12 @@ def write_final(
     best: EvalResult | None = None,
     best_value: float | None = None,
     early_stop: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """``eval.json`` (the test split of the final model and, with selection, of the best-validation
     checkpoint ``best`` with validation value ``best_value``), then the loss/NE curves and the
-    reliability plot; ``early_stop``: what early stopping did (``train.early_stop_patience > 0``). Rank 0
-    only."""
+    reliability plot; ``early_stop``: what early stopping did (``train.early_stop_patience > 0``); ``extra``:
+    more top-level entries (the trainer's ``schedule`` and ``health`` warnings). Rank 0 only."""
     summary: dict[str, Any] = {
         "step": ev.step,
         "tasks": {t: m.as_dict() for t, m in ev.tasks.items()},
@@ -53,6 +54,7 @@ def write_final(
         }
     if early_stop is not None:
         summary["early_stop"] = early_stop
+    summary.update(extra or {})
     tmp = run.eval_summary.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary, indent=2), encoding="utf-8")
     tmp.replace(run.eval_summary)  # never a half-written eval.json
@@ -72,6 +74,7 @@ def final_evaluation(
     select_task: str,
     early_stop: dict[str, Any] | None,
     is_main: bool,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[EvalResult, EvalResult | None]:
     """The test split of the final model (``evaluate``) and of the best-validation checkpoint
     (``evaluate_best``, when ``selection`` has one), logged at ``step``; eval.json and plots (rank 0)."""
@@ -91,6 +94,6 @@ def final_evaluation(
         write_final(
             run, tasks, final_eval, last_checkpoint, select_task,
             best_eval, best[1] if best else None,
-            early_stop=early_stop,
+            early_stop=early_stop, extra=extra,
         )  # fmt: skip
     return final_eval, best_eval

@@ -24,6 +24,7 @@ from gem_train.checkpoint import best_checkpoint, load_checkpoint, read_trainer_
 from gem_train.evaluation.evaluate import EvalResult, evaluate_model, selection_value
 from gem_train.loop.build import build_model_for
 from gem_train.loop.metrics_log import MetricsLogger
+from gem_train.loop.schedule import resolved_valid_every
 
 if TYPE_CHECKING:
     from gem_train.loop.step import BuiltRun
@@ -53,13 +54,13 @@ class BestSelection:
         if resumed_step is not None and int(st["step"]) <= resumed_step and "value" in sel:
             self.best = (int(st["step"]), float(sel["value"]))
             # Validations ran at multiples of valid_every: those after the best one, up to the resumed step.
-            self.since_best = (resumed_step - self.best[0]) // run.cfg.train.valid_every
+            self.since_best = (resumed_step - self.best[0]) // resolved_valid_every(run.cfg.train)
         elif run.dist.is_main:
             (checkpoints / "best").unlink()
 
-    def validate(self, step: int, logger: MetricsLogger, extra: dict[str, Any]) -> None:
+    def validate(self, step: int, logger: MetricsLogger, extra: dict[str, Any]) -> float:
         """Evaluate the validation split at ``step``; save ``checkpoints/best`` if the selection NE is a new
-        minimum (``extra``: the JSON trainer state to store with it)."""
+        minimum (``extra``: the JSON trainer state to store with it). Returns the selection NE."""
         r, cfg = self.run, self.run.cfg
         ev = evaluate_model(
             r.model, r.source, cfg, r.dist, r.autocast_dtype, step, cfg.train.valid_batches, "valid"
@@ -82,6 +83,7 @@ class BestSelection:
             save_best_checkpoint(
                 self.checkpoints, step, r.model, r.optimizers, extra, background=True, sparse=r.sparse
             )
+        return value
 
     def should_stop_early(self) -> bool:
         """Whether ``train.early_stop_patience`` validations in a row brought no new best (False when off)."""

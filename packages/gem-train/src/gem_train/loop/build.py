@@ -19,11 +19,13 @@ from gem_model import FeatureSpec, GemModel
 from gem_train.config import ConfigError, TrainConfig
 from gem_train.config.parallel import toml_message
 from gem_train.data.loader import BatchSource
+from gem_train.loop.dense_norm import attach_dense_norm
 from gem_train.loop.distributed import DistInfo, init_distributed
 from gem_train.loop.mfu import device_peak_flops
 from gem_train.loop.model import BuiltModel, build_model
 from gem_train.loop.optim import build_optimizers
 from gem_train.loop.parallel import ParallelPlan, parallel_plan
+from gem_train.loop.schedule import resolve_schedule, scheduled_config
 from gem_train.loop.step import BuiltRun
 
 __all__ = [
@@ -65,22 +67,14 @@ def resolve_autocast(mode: str, device: torch.device) -> torch.dtype | None:
 
 def check_selection(cfg: TrainConfig, source: BatchSource) -> None:
     """``train.select_task`` names a task of the dataset (checked even when no selection runs: every config
-    value is checked), and ``train.valid_every > 0`` has a validation split to evaluate."""
+    value is checked). Whether there is a validation split:
+    :func:`gem_train.loop.schedule.resolve_schedule`."""
     t = cfg.train
     tasks = tuple(source.spec.tasks)
     if t.select_task != "mean" and t.select_task not in tasks:
         raise ConfigError(
             f"train.select_task = {t.select_task!r} is not a task of this dataset ({', '.join(tasks)}) "
             "nor 'mean'"
-        )
-    if t.valid_every and not source.num_batches("valid", cfg.data.eval_batch_size):
-        key = {
-            "movielens-100k": "data.movielens.valid_fraction",
-            "parquet": "data.parquet.valid (files)",
-        }.get(cfg.data.source, "data.synthetic.valid_examples")
-        raise ConfigError(
-            f"train.valid_every = {t.valid_every} needs a validation split, but the dataset has none "
-            f"(set {key} > 0, or train.valid_every = 0)"
         )
 
 
@@ -89,9 +83,13 @@ def build_model_for(cfg: TrainConfig, spec: FeatureSpec, dist_info: DistInfo, *,
     (precision, compile, activation checkpointing, FSDP2/EP/sharded tables or DDP on several ranks) or, with
     ``training=False``, for evaluation (the precision recipe only, so its layers are the trained ones)."""
     from gem_parallel import parallelize
+    from gem_train.transfer.student import attach_student
 
     autocast_dtype = resolve_autocast(cfg.train.autocast, dist_info.device)
     built = build_model(cfg.model, spec, dist_info.device, cfg.run.seed)
+    if cfg.data.normalize_dense and spec.n_dense:  # its buffers travel with the weights in checkpoints
+        attach_dense_norm(built.model, spec.n_dense, dist_info.device)
+    attach_student(built.model, cfg.distill, tuple(spec.tasks))  # [distill]'s heads; nothing without
     plan = parallel_plan(cfg, dist_info.world_size, autocast_dtype, training=training)
     try:
         # In place (FSDP2 swaps classes; parameter names stay): built.model is the model of the checkpoints.
@@ -125,21 +123,30 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> BuiltRun:
     the autocast dtype. ``training=False`` builds what evaluation needs.
 
     Everything that can reject the config happens here, before a run directory exists: the dataset (a
-    corrupt MovieLens record), the selection task, the model's overrides, the parallel layout.
+    corrupt MovieLens record), the selection task, the schedule (:mod:`gem_train.loop.schedule`), the model's
+    overrides, the parallel layout. ``BuiltRun.cfg`` is ``cfg`` with the schedule resolved.
     """
     d = init_distributed(cfg.run.device, cfg.run.cpu_threads, cfg.parallel.timeout_s)
     if d.device.type == "cuda":
         from gem_kernels import prewarm_triton
 
         prewarm_triton()  # Triton's per-process hash in the background while the data and model are built
+    from gem_train.transfer.losses import loss_for
+    from gem_train.transfer.source import transfer_source
+
     source = build_source(cfg)
     check_selection(cfg, source)
+    # The loop runs by the resolved schedule (train.epochs -> steps, valid_every "auto" -> a number); the
+    # user's config stays as written in the run directory and the checkpoints.
+    schedule = resolve_schedule(cfg, source, d.world_size)
+    cfg = scheduled_config(cfg, schedule)
+    source = transfer_source(cfg, source, d.device, training=training)  # [distill]'s data; as is without
     autocast_dtype = resolve_autocast(cfg.train.autocast, d.device)
     prepared = build_model_for(cfg, source.spec, d, training=training)
     model = prepared.built.model
     peak = device_peak_flops(d.device, cfg.train.peak_flops)
     if not training:
-        return BuiltRun(cfg, d, source, prepared, [], [], autocast_dtype, peak)
+        return BuiltRun(cfg, d, source, prepared, [], [], autocast_dtype, peak, schedule=schedule)
     # The optimizers are built after parallelize, on the parameters as they are then (DTensors under FSDP2).
     dense = list(model.dense_parameters())
     sparse = list(model.sparse_parameters())
@@ -153,4 +160,7 @@ def build_run(cfg: TrainConfig, *, training: bool = True) -> BuiltRun:
     # The GEM model names its no-decay parameters (learned tokens); the MLP baseline has none beyond 1-D.
     no_decay = list(model.no_weight_decay_parameters()) if isinstance(model, GemModel) else []
     optimizers = build_optimizers(dense, sparse, cfg.optim, no_decay)
-    return BuiltRun(cfg, d, source, prepared, optimizers, dense, autocast_dtype, peak)
+    loss_fn = loss_for(cfg.distill, tuple(source.spec.tasks))
+    return BuiltRun(
+        cfg, d, source, prepared, optimizers, dense, autocast_dtype, peak, loss_fn=loss_fn, schedule=schedule
+    )

@@ -5,8 +5,8 @@ the embeddings unit) was checked and costs more to silence at its cause than it 
 was ours are fixed there instead (FSDP2's "returned a view tensor" for the whole model: the task heads return
 tensors of their own, gem-model; "Slicing a flattened dim from root mesh": gem-parallel keeps its flattened
 mesh; the deprecated c10d names in gem-parallel; torchrun's ``OMP_NUM_THREADS`` banner: ``gem-train launch``
-sets the variable as torchrun would). The README's "Known warnings" lists them. Only exact messages are
-filtered, so a new warning still shows.
+sets the variable as torchrun would). gem-train's docs/reliability.md, "Known warnings", lists them. Only
+exact messages are filtered, so a new warning still shows.
 """
 
 from __future__ import annotations

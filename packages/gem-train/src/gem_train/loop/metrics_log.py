@@ -44,6 +44,19 @@ class MetricsLogger:
             for k, v in values.items():
                 self._tb.add_scalar(f"{split}/{k}", float(v), global_step=int(step))
 
+    def note(self, step: int, split: str, values: dict[str, str | float]) -> None:
+        """A row of words (e.g. a ``health`` warning: its check and message) at ``step``; TensorBoard gets
+        the strings as text."""
+        if not self.enabled:
+            return
+        row: dict[str, Any] = {"step": int(step), "split": split, "time": time.time()}
+        row.update({k: v if isinstance(v, str) else _clean(float(v)) for k, v in values.items()})
+        with self._path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            text = " ".join(str(v) for v in values.values())
+            self._tb.add_text(split, text, global_step=int(step))
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.flush()

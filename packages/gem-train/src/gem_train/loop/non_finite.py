@@ -7,6 +7,7 @@ import sys
 
 from gem_train.checkpoint.keeper import CheckpointKeeper
 from gem_train.config import TrainerConfig
+from gem_train.loop.schedule import resolved_valid_every
 
 __all__ = ["NonFiniteLossError", "handle_non_finite", "step_is_boundary"]
 
@@ -19,11 +20,12 @@ def step_is_boundary(train: TrainerConfig, checkpoint_every: int, step: int, sto
     """Whether a log, evaluation, validation, checkpoint or the end follows (1-based) ``step``: the loop
     reads such a step's loss at once (a non-finite one must not be followed by them); another step's is read
     after the next step is queued."""
+    valid_every = resolved_valid_every(train)
     return (
         step % train.log_every == 0
         or step == train.steps
         or bool(train.eval_every and step % train.eval_every == 0)
-        or bool(train.valid_every and step % train.valid_every == 0)
+        or bool(valid_every and step % valid_every == 0)
         or bool(checkpoint_every and step % checkpoint_every == 0)
         or (stop_after is not None and step >= stop_after)
     )

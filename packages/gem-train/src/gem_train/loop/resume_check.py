@@ -69,6 +69,7 @@ NO_EFFECT: dict[str, str] = {
     "parallel.memory_budget": "memory and speed",
     "parallel.saved_activations": "memory and speed",
     "parallel.timeout_s": "how long a collective waits",
+    "parallel.balancer_calibration": "the level of a fresh balanced stream; a resume keeps its checkpoint's",
 }
 # Settings that continue the run (allowed, said at start-up).
 CONTINUES: dict[str, str] = {
@@ -253,7 +254,8 @@ def check_resume(
         data_diffs: list[DataDifference] = []
     else:
         data_diffs = identity_differences(saved_identity, identity)
-    moved = [c.key for c in plan.allowed]
+    moved = [c.key for c in plan.allowed]  # and allowed data (the valid split cut from the training files)
+    moved += [d.key for d in data_diffs if any(covers(a, d.key) for a in allow)]
     for d in data_diffs:
         if any(covers(a, d.key) for a in allow) or any(covers(loc, k) for loc in d.locators for k in moved):
             plan.data_allowed.append(d)

@@ -16,6 +16,7 @@ Layout::
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -86,12 +87,13 @@ def create_run_dir(out_dir: str | Path, name: str, now: _dt.datetime | None = No
 
 def discard_if_unused(run: RunDir) -> bool:
     """Remove a new run's directory if the run wrote nothing of its own into it (a run that failed at its
-    start: no metrics row, no checkpoint, not even a partial one, no plot, no evaluation); True if removed.
+    start: no metrics row but the start's health notes, which stderr also said, no checkpoint, not even a
+    partial one, no plot, no evaluation); True if removed.
     Only for a run that created the directory: never call it for a resumed run's."""
     if not run.root.is_dir():
         return False
     kept = (
-        (run.metrics.exists() and run.metrics.stat().st_size > 0)
+        _has_rows_beyond_health(run.metrics)
         or run.eval_summary.exists()
         or any(run.checkpoints.iterdir() if run.checkpoints.is_dir() else ())
         or any(run.plots.iterdir() if run.plots.is_dir() else ())
@@ -100,6 +102,23 @@ def discard_if_unused(run: RunDir) -> bool:
         return False
     shutil.rmtree(run.root, ignore_errors=True)
     return not run.root.exists()
+
+
+def _has_rows_beyond_health(metrics: Path) -> bool:
+    """Whether ``metrics.jsonl`` holds a row other than the start's ``health`` notes (an unreadable line
+    counts as a row: keep what cannot be judged)."""
+    if not metrics.exists():
+        return False
+    for line in metrics.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            return True
+        if not isinstance(row, dict) or row.get("split") != "health":
+            return True
+    return False
 
 
 def resolve_resume(resume: str | Path, name: str, out_dir: str | Path) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from gem_train.loop.optim import lr_factor, set_lr
 
 if TYPE_CHECKING:
     from gem_train.loop.build import Prepared
+    from gem_train.loop.schedule import Schedule
 
 __all__ = ["BuiltRun", "PendingStep", "StepDone", "StepPipeline", "StepResult", "skips_on_device"]
 
@@ -131,7 +133,8 @@ def skips_on_device(opt: torch.optim.Optimizer) -> bool:
 
 @dataclass
 class BuiltRun:
-    """What :func:`gem_train.loop.build.build_run` made; see the module docstring."""
+    """What :func:`gem_train.loop.build.build_run` made; see the module docstring. ``cfg`` is the run's
+    config with the schedule resolved (:func:`gem_train.loop.schedule.scheduled_config`)."""
 
     cfg: TrainConfig
     dist: DistInfo
@@ -141,8 +144,13 @@ class BuiltRun:
     dense_params: list[nn.Parameter]
     autocast_dtype: torch.dtype | None
     peak_flops: float | None
+    # (logits, batch) -> (loss, per-task detached losses): multitask_loss, or [distill]'s
+    # (gem_train.transfer.losses).
+    loss_fn: Callable[[dict[str, Tensor], GemBatch], tuple[Tensor, dict[str, Tensor]]] = multitask_loss
     # torch.autocast's cache of casted weights: off under CUDA graphs (as torch's graph docs ask).
     autocast_cache: bool = True
+    # How long the run trains and when it validates; ``cfg.train`` holds the same resolved values.
+    schedule: Schedule | None = None
 
     @property
     def built(self) -> BuiltModel:
@@ -256,7 +264,7 @@ class BuiltRun:
     def _forward_backward(self, batch: GemBatch) -> tuple[Tensor, dict[str, Tensor]]:
         with self.autocast():
             logits = self.train_model(batch)
-        loss, per_task = multitask_loss(logits, batch)
+        loss, per_task = self.loss_fn(logits, batch)
         loss.backward()
         return loss, per_task
 

@@ -78,9 +78,10 @@ class TrainWindow:
         return row
 
 
-def log_train(step: int, w: TrainWindow, bar: Any, logger: MetricsLogger, r: BuiltRun) -> None:
+def log_train(step: int, w: TrainWindow, bar: Any, logger: MetricsLogger, r: BuiltRun) -> dict[str, Any]:
     """Log window ``w`` as the ``train`` row of ``step`` (with every rank's peak memory; every rank calls)
-    and show its throughput, loss, first task's NE and MFU on the progress bar ``bar`` (a tqdm)."""
+    and show its throughput, loss, first task's NE and MFU on the progress bar ``bar`` (a tqdm); returns the
+    row."""
     if r.device.type == "cuda":
         torch.cuda.synchronize(r.device)
     opt = r.dense_opt
@@ -93,3 +94,4 @@ def log_train(step: int, w: TrainWindow, bar: Any, logger: MetricsLogger, r: Bui
     if "mfu" in row:
         post["MFU"] = f"{100 * row['mfu']:.1f}%"
     bar.set_postfix(post, refresh=False)
+    return row

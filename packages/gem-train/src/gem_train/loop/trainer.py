@@ -45,10 +45,11 @@ from gem_train.data.identity import data_identity
 from gem_train.data.split import HeldOutSplit
 from gem_train.data.train_stream import train_stream
 from gem_train.evaluation.evaluate import EvalResult, EvaluationInterrupted, evaluate_model
+from gem_train.evaluation.health import TrainingHealth, start_checks
 from gem_train.evaluation.report import final_evaluation
 from gem_train.evaluation.selection import BestSelection
 from gem_train.loop.build import build_run
-from gem_train.loop.metrics_log import MetricsLogger, truncate_metrics
+from gem_train.loop.metrics_log import MetricsLogger, read_metrics, truncate_metrics
 from gem_train.loop.non_finite import NonFiniteLossError, handle_non_finite, step_is_boundary
 from gem_train.loop.prefetch import DevicePrefetcher
 from gem_train.loop.resume_check import (
@@ -116,17 +117,25 @@ class Trainer:
                 self.built_run.source.check_resume(
                     saved, self.dist.world_size, cfg.data.num_workers, plan.new_train_data
                 )
+        # The dense features' scale and the table's size, from the first training batches (and, with
+        # data.normalize_dense, the model's standardisation); a bad row here fails before the run dir exists.
+        start_notes = start_checks(self.built_run, fresh=resume_from is None)
 
         # The run directory: rank 0 creates it (or reuses the resumed run's), everyone learns the path.
         self.run_dir = shared_run_dir(cfg, resume_from, self.dist)
         self.created_run_dir = resume_from is None  # a failed start removes it again (never a resumed one's)
         self.logger = MetricsLogger(self.run_dir.metrics, self.run_dir.tensorboard, enabled=self.dist.is_main)
+        schedule = self.built_run.schedule
+        assert schedule is not None  # build_run resolves it
+        self.schedule = schedule
+        self.health = TrainingHealth(schedule, cfg.train.select_task, self.logger, self.dist.is_main)
 
         self.start_step = 0
         self.skipped = 0
         # The data stream's position: global batches consumed before start_step (by any number of ranks).
         self.data_offset = 0
-        self.balancer = BalancerPosition()  # parallel.balancer = "base_batch_shuffling"
+        # parallel.balancer = "base_batch_shuffling"
+        self.balancer = BalancerPosition(calibration_samples=cfg.parallel.balancer_calibration)
         resharded = False
         if resume_from is not None:
             sparse = self.built_run.sparse
@@ -146,6 +155,7 @@ class Trainer:
                 record_resume(self.run_dir.root, plan, cfg, self.data_identity, state.get("data_identity"),
                               self.dist.world_size)  # fmt: skip
                 truncate_metrics(self.run_dir.metrics, self.start_step)
+                self.health.replay(read_metrics(self.run_dir.metrics))
             if resharded and self.dist.is_main:
                 # With the balancer the plain stream restarts at its base (its carry was said above).
                 where = self.balancer.base if self.balancer.base is not None else self.data_offset
@@ -153,6 +163,16 @@ class Trainer:
         elif self.dist.is_main:
             record_start(self.run_dir.root, cfg, self.data_identity, self.dist.world_size)
         resumed_step = self.start_step if resume_from is not None else None
+        if self.dist.is_main:  # how long, on what, validated how (gem_train.loop.schedule)
+            print(f"gem-train: {schedule.describe()}", file=sys.stderr)
+            print(f"gem-train: {schedule.valid_note}; {schedule.describe_validation()}", file=sys.stderr)
+            if not schedule.validates:
+                print(
+                    "gem-train: warning: no validation split: no model selection happens, no "
+                    "checkpoints/best is written and early stopping is off; the final model is evaluated",
+                    file=sys.stderr,
+                )
+        self.health.before_training(start_notes, resumed=resume_from is not None)
         self.selection = BestSelection(self.built_run, self.run_dir.checkpoints, resumed_step)
         # Dropout etc. differ per rank (the same seed would correlate them across ranks).
         if resume_from is None or resharded:
@@ -294,7 +314,9 @@ class Trainer:
             )
 
     def _final_evaluation(self, step: int) -> tuple[EvalResult, EvalResult | None]:
-        """The test split of the final model and of the best-validation checkpoint; eval.json and plots."""
+        """The test split of the final model and of the best-validation checkpoint; eval.json (with the
+        schedule and the health warnings) and plots."""
+        self.health.at_end(step, self.early_stopped)
         return final_evaluation(
             step,
             lambda: self.evaluate(step, should_stop=self._should_stop),
@@ -302,6 +324,7 @@ class Trainer:
             self.selection, self.logger, self.run_dir, self.tasks, self.last_checkpoint,
             self.cfg.train.select_task, self.selection.early_stop_summary(self.early_stopped, step),
             self.dist.is_main,
+            extra={"schedule": self.schedule.as_dict(), "health": [n.as_dict() for n in self.health.notes]},
         )  # fmt: skip
 
     def _account(self, step: int, out: StepResult, batch: GemBatch, window: TrainWindow) -> bool:
@@ -325,7 +348,8 @@ class Trainer:
 
     def _train_loop(self, stop_after: int | None) -> tuple[int, str]:
         """Steps from ``start_step`` to ``train.steps``; returns the last step and the status."""
-        cfg, d, r = self.cfg, self.dist, self.built_run
+        d, r = self.dist, self.built_run
+        cfg = r.cfg  # the resolved schedule: train.steps from train.epochs, valid_every a number
         total = cfg.train.steps
         step = self.start_step
         status = "completed"
@@ -374,13 +398,16 @@ class Trainer:
                     continue
 
                 if step % cfg.train.log_every == 0 or step == total:
-                    log_train(step, window, bar, self.logger, r)
+                    self.health.on_train(log_train(step, window, bar, self.logger, r))
                     window.reset()
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != total:
                     self.logger.log(step, "test", self.evaluate(step).as_flat_dict())
-                if cfg.train.valid_every and (step % cfg.train.valid_every == 0 or step == total):
-                    self.selection.validate(step, self.logger, self._extra(step))
-                    if step != total and self.selection.should_stop_early():
+                every = self.schedule.valid_every  # 0: no validation split; total: only at the end
+                if every and (step % every == 0 or step == total):
+                    value = self.selection.validate(step, self.logger, self._extra(step))
+                    stop = step != total and self.selection.should_stop_early()
+                    self.health.on_validation(step, value, self.selection.since_best, stop)
+                    if stop:
                         self.early_stopped = True
                         self.selection.note_early_stop(step, self.logger, d.is_main)
                         break  # status stays "completed": the final evaluation runs at this step

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"data inspect reads a [data.parquet] dataset; data.source is {cfg.data.source!r}"
             )
-        report = inspect_dataset(ParquetSource(cfg.data.parquet, cfg.run.seed), args.png)
+        source = ParquetSource(cfg.data.parquet, cfg.run.seed)
+        report = inspect_dataset(source, args.png, batch_size=cfg.data.batch_size)
         print(json.dumps(report, indent=2) if args.json else format_report(report))
         return 0
     from gem_train.data.parquet.export import export_movielens

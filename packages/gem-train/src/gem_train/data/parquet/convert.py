@@ -83,6 +83,12 @@ class Block:
     bad: np.ndarray  # [n] bool
     prov: Provenance
     reasons: dict[int, str] = field(default_factory=dict)  # row -> what was wrong (bad rows)
+    keys: dict[str, np.ndarray] = field(default_factory=dict)  # data.parquet.keys: column -> [n] values
+
+    def key_rows(self, lo: int, hi: int) -> dict[str, np.ndarray]:
+        """The key columns of rows ``[lo, hi)`` without the bad ones (the rows of :meth:`Converter.batch`)."""
+        good = ~self.bad[lo:hi]
+        return {k: v[lo:hi] if good.all() else v[lo:hi][good] for k, v in self.keys.items()}
 
     def slice(self, lo: int, hi: int) -> Block:
         """Rows ``[lo, hi)`` (views where possible)."""
@@ -97,6 +103,7 @@ class Block:
             self.bad[lo:hi],
             Provenance(self.prov.file[lo:hi], self.prov.row_group[lo:hi], self.prov.row[lo:hi]),
             {k - lo: v for k, v in self.reasons.items() if lo <= k < hi},
+            {k: v[lo:hi] for k, v in self.keys.items()},
         )
 
     def take(self, idx: np.ndarray) -> Block:
@@ -117,6 +124,7 @@ class Block:
             self.bad[idx],
             self.prov.take(idx),
             {new_pos[k]: v for k, v in self.reasons.items()},
+            {k: v[idx] for k, v in self.keys.items()},
         )
 
     @staticmethod
@@ -137,6 +145,7 @@ class Block:
                 cat([a.prov.row, b.prov.row]),
             ),
             {**a.reasons, **{k + a.n: v for k, v in b.reasons.items()}},
+            {k: cat([v, b.keys[k]]) for k, v in a.keys.items()},
         )
 
 
@@ -334,7 +343,13 @@ class Converter:
                 value = float(y[np.flatnonzero(not01)[0]])
                 mark(not01, f"label {column!r} (task {task!r}) is {value!r}, not 0 or 1")
             labels[:, j] = y
-        return Block(n, dense, sparse, sequences, request_time, labels, mask, bad, prov, reasons)
+        keys: dict[str, np.ndarray] = {}
+        for column in self.cfg.keys:  # identify rows (predict, distillation joins); never a feature
+            arr = col(column)
+            if arr.null_count:
+                mark(arr.is_null().to_numpy(zero_copy_only=False), f"key column {column!r} is null")
+            keys[column] = arr.to_numpy(zero_copy_only=False)
+        return Block(n, dense, sparse, sequences, request_time, labels, mask, bad, prov, reasons, keys)
 
     # -- Block -> GemBatch -----------------------------------------------------------------------------------
 

@@ -5,7 +5,9 @@ Files and splits
     ``test``; relative to ``data.parquet.root``), matched files read in sorted order, row group by row group.
     Every file of a split must hold the declared columns (other columns are ignored and never read); a
     column may differ in integer or float width between files (it is cast to the first file's type).
-    ``valid = []`` means no validation split.
+    ``valid = []`` cuts the validation split off the training files instead: their latest
+    ``valid_fraction`` (default 0.1) of rows by request time (:mod:`.time_split`); ``valid_fraction = 0``
+    with no valid files means no validation split.
 
 Columns, by kind (names are free: the config maps each feature to its columns)
     dense       float32/float64 columns, one per feature (``dense.columns = [...]``), or one

@@ -1,10 +1,12 @@
 """The identity of a ``[data.parquet]`` dataset (see :mod:`gem_train.data.identity`): cheap, from the footers.
 
 Each file of each split is recorded by its resolved path (symbolic links followed), its size, its row count
-and the sha256 of its footer: the Thrift ``FileMetaData`` bytes between the data and the file's last 8 bytes
-(``<footer length: u32 LE>PAR1``). The footer holds the schema, every row group's row count, and every column
-chunk's offsets, sizes and statistics, so rewriting a file with other rows changes it (reading it costs one
-seek and one read per file, never the data). What it cannot see: a rewrite that keeps the size and every byte
+(the file's, also where the split reads part of it: the validation split cut from the training files by
+``data.parquet.valid_fraction``; the split's own count is its ``rows``) and the sha256 of its footer: the
+Thrift ``FileMetaData`` bytes between the data and the file's last 8 bytes (``<footer length: u32 LE>PAR1``).
+The footer holds the schema, every row group's row count, and every column chunk's offsets, sizes and
+statistics, so rewriting a file with other rows changes it (reading it costs one seek and one read per file,
+never the data). What it cannot see: a rewrite that keeps the size and every byte
 of the footer (the same values' statistics, offsets and sizes), i.e. values swapped within a page of the same
 compressed size. Vocabulary files (``ids = "vocab"``) are hashed whole.
 """
@@ -16,7 +18,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pyarrow.parquet as pq
 
 from gem_train.data.identity import DataDifference, show
@@ -70,13 +71,12 @@ def parquet_identity(source: ParquetSource) -> dict[str, Any]:
     for split, files in source.files.items():
         if files is None:
             continue
-        rows = np.bincount(files.group_file, weights=files.group_rows, minlength=len(files.paths))
         entries = []
-        for k, path in enumerate(files.paths):
+        for path in files.paths:
             size, digest = footer_digest(path)
-            entries.append(
-                {"path": os.path.realpath(path), "size": size, "rows": int(rows[k]), "footer_sha256": digest}
-            )
+            rows = pq.read_metadata(path).num_rows  # the file's, whatever part of it the split reads
+            entry = {"path": os.path.realpath(path), "size": size, "rows": rows, "footer_sha256": digest}
+            entries.append(entry)
         splits[split] = {"rows": files.num_rows, "files": entries}
         if not types:
             schema = pq.read_schema(files.paths[0])
@@ -143,7 +143,11 @@ def parquet_differences(old: dict[str, Any], new: dict[str, Any]) -> list[DataDi
         x, y = splits_a.get(split), splits_b.get(split)
         if x != y:
             k = f"data.parquet.{key}"
-            out.append(DataDifference(k, _files_detail(x, y), ("data.source", "data.parquet.root", k)))
+            # With no valid files the validation split is cut from the training files by valid_fraction:
+            # a change of either moves both splits' rows.
+            moved_by: tuple[str, ...] = ("data.source", "data.parquet.root", k, "data.parquet.valid_fraction")
+            moved_by += ("data.parquet.train",) if split == "valid" else ()
+            out.append(DataDifference(k, _files_detail(x, y), moved_by))
     va, vb = a.get("vocab_files") or {}, b.get("vocab_files") or {}
     for k in sorted(set(va) | set(vb)):
         x, y = va.get(k), vb.get(k)

@@ -6,7 +6,9 @@ history-length quantiles per sequence (before truncation) and the share longer t
 feature the raw id range, ids out of ``[0, n)`` (``ids = "raw"``), not in the vocabulary (``"vocab"``), and
 for ``ids = "hash"`` the distinct raw ids, the distinct rows they hash to and the collisions (distinct ids
 minus distinct rows: ids that share a row with another). A PNG histogram of the history lengths is written.
-Memory: one row group, plus the distinct ids of hashed features.
+Where the validation split comes from (``"validation"``: declared files, or the latest training rows by
+time) and, given the batch size, a model size and run length for the training rows (``"suggestion"``,
+:mod:`gem_train.evaluation.sizing`). Memory: one row group, plus the distinct ids of hashed features.
 """
 
 from __future__ import annotations
@@ -72,8 +74,12 @@ def _flat_raw(arr: Any) -> tuple[np.ndarray, np.ndarray]:
     return lengths, flat
 
 
-def inspect_dataset(source: ParquetSource, png: str | Path | None = None) -> dict[str, Any]:
-    """Statistics of every split of ``source`` (see the module docstring); ``png``: the histogram's path."""
+def inspect_dataset(
+    source: ParquetSource, png: str | Path | None = None, batch_size: int | None = None
+) -> dict[str, Any]:
+    """Statistics of every split of ``source`` (see the module docstring); ``png``: the histogram's path;
+    with ``batch_size``, also a model size and run length for its training rows
+    (:func:`gem_train.evaluation.sizing.suggest`)."""
     layout = source.layout
     skip_cfg = dataclasses.replace(source.cfg, on_bad_row="skip")
     converter = Converter(dataclasses.replace(layout, cfg=skip_cfg), source.spec, source.root)
@@ -96,13 +102,14 @@ def inspect_dataset(source: ParquetSource, png: str | Path | None = None) -> dic
             prov = Provenance(
                 np.full(n, files.group_file[g]),
                 np.full(n, files.group_index[g]),
-                np.arange(n, dtype=np.int64),
+                reader.physical_row(g, 0, n),
             )
             block = converter.block(table, prov, files.paths)
             bad += int(block.bad.sum())
             for i, why in list(block.reasons.items())[: max(0, 5 - len(reasons))]:
                 path = files.paths[int(files.group_file[g])]
-                reasons.append(f"file {path}, row group {int(files.group_index[g])}, row {i}: {why}")
+                row = int(prov.row[i])
+                reasons.append(f"file {path}, row group {int(files.group_index[g])}, row {row}: {why}")
             for name, _sp in layout.sparse:
                 ids[f"sparse.{name}"].add(
                     _flat_raw(table.column(layout.sparse_column[name]).combine_chunks())[1]
@@ -147,6 +154,11 @@ def inspect_dataset(source: ParquetSource, png: str | Path | None = None) -> dic
     if png is not None:
         _histogram(all_lengths, Path(png))
         report["histogram"] = str(png)
+    report["validation"] = source.valid_note
+    if batch_size is not None:
+        from gem_train.evaluation.sizing import suggest
+
+        report["suggestion"] = suggest(source.spec, source.rows("train"), batch_size).as_dict()
     return report
 
 
@@ -203,4 +215,8 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  ids {name} ({s['mode']}): {s['ids']:,} ids in [{s['min']}, {s['max']}]{extra}")
     if "histogram" in report:
         lines.append(f"histogram of history lengths: {report['histogram']}")
+    if "validation" in report:
+        lines.append(report["validation"])
+    if "suggestion" in report:
+        lines.append(report["suggestion"]["text"])
     return "\n".join(lines)

@@ -52,16 +52,20 @@ __all__ = ["CountingLoader", "ParquetBatch", "ParquetSource", "ParquetStream"]
 
 
 class ParquetBatch(LoadedBatch):
-    """A loaded batch plus the bad rows left out of it (``on_bad_row = "skip"``) and the first reason."""
+    """A loaded batch plus the bad rows left out of it (``on_bad_row = "skip"``) and the first reason, and
+    the values of the ``data.parquet.keys`` columns of its rows (column -> ``[B]``; empty without keys)."""
 
-    __slots__ = ("bad_reason", "bad_rows")
+    __slots__ = ("bad_reason", "bad_rows", "keys")
 
-    def __init__(self, lb: LoadedBatch, bad_rows: int, bad_reason: str = "") -> None:
+    def __init__(
+        self, lb: LoadedBatch, bad_rows: int, bad_reason: str = "", keys: dict[str, np.ndarray] | None = None
+    ) -> None:
         super().__init__(lb.batch, lb.index, lb.true_probs)
         self.bad_rows, self.bad_reason = bad_rows, bad_reason
+        self.keys = keys or {}
 
     def pin_memory(self) -> ParquetBatch:
-        return ParquetBatch(super().pin_memory(), self.bad_rows, self.bad_reason)
+        return ParquetBatch(super().pin_memory(), self.bad_rows, self.bad_reason, self.keys)
 
 
 class _Reader:
@@ -85,10 +89,12 @@ class _Reader:
             table = self._open[f].read_row_group(idx, columns=self.columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:
             raise ParquetDataError(f"cannot read ({e})", path, idx) from e
-        if table.num_rows != int(self.files.group_rows[g]):
+        if table.num_rows != self.files.physical_rows(g):
             raise ParquetDataError(
-                f"{table.num_rows} rows, its footer said {self.files.group_rows[g]}", path, idx
+                f"{table.num_rows} rows, its footer said {self.files.physical_rows(g)}", path, idx
             )
+        if self.files.keep is not None:  # this split's rows of the group (e.g. the training rows by time)
+            table = table.take(pa.array(self.files.keep[g]))
         if self._schema is None:
             self._schema = table.schema
         elif table.schema != self._schema:
@@ -98,6 +104,14 @@ class _Reader:
                 raise ParquetDataError(f"columns differ from the split's first file ({e})", path, idx) from e
         self._cached = (g, table)
         return table
+
+    def physical_row(self, g: int, lo: int, hi: int) -> np.ndarray:
+        """``[hi - lo]`` int64: the rows within row group ``g`` (as in its file) of the group's rows
+        ``[lo, hi)`` of this split (they differ when the split selects rows: error messages name the
+        file's row)."""
+        if self.files.keep is None:
+            return np.arange(lo, hi, dtype=np.int64)
+        return self.files.keep[g][lo:hi]
 
     def rows(self, order: np.ndarray, cum: np.ndarray, a: int, b: int) -> tuple[pa.Table, Provenance]:
         """Rows ``[a, b)`` of the row space that lays the groups out in ``order`` (``cum``: its
@@ -112,7 +126,7 @@ class _Reader:
             parts.append(t.slice(lo, hi - lo))
             pf.append(np.full(hi - lo, self.files.group_file[g], np.int64))
             pg.append(np.full(hi - lo, self.files.group_index[g], np.int64))
-            pr.append(np.arange(lo, hi, dtype=np.int64))
+            pr.append(self.physical_row(g, lo, hi))
             i += 1
         table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
         return table, Provenance(np.concatenate(pf), np.concatenate(pg), np.concatenate(pr))
@@ -206,9 +220,27 @@ class ParquetSource:
         for split, key in SPLITS.items():
             patterns = getattr(cfg, key)
             self.files[split] = split_files(self.layout, patterns, self.root, key) if patterns else None
+        self.valid_note = self._validation_split()
         self.bad_rows: dict[str, int] = {}
         self._memory: dict[str, Block] = {}
         self._perm_cache: tuple[int, np.ndarray] | None = None
+
+    def _validation_split(self) -> str:
+        """With no valid files, cut the latest ``valid_fraction`` of the training rows off as the validation
+        split (:mod:`.time_split`); returns the sentence that says where the validation split comes from."""
+        valid, train = self.files["valid"], self.files["train"]
+        if valid is not None:
+            return (
+                f"validation split: data.parquet.valid, {valid.num_rows:,} rows in {len(valid.paths)} file(s)"
+            )
+        from gem_train.data.parquet.time_split import split_by_time
+
+        cut = split_by_time(train, self.layout, self.cfg.valid_fraction) if train is not None else None
+        if cut is None:
+            why = "= 0" if not self.cfg.valid_fraction else "cuts nothing from a 1-row training split"
+            return f"no validation split: data.parquet.valid is empty and data.parquet.valid_fraction {why}"
+        self.files["train"], self.files["valid"] = cut.train, cut.valid
+        return cut.note
 
     # -- BatchSource --------------------------------------------------------------------------------------
 
@@ -375,17 +407,25 @@ class ParquetSource:
         workers: int,
         max_batches: int,
     ) -> Iterator[ParquetBatch]:
-        files = self.files.get(split)
-        if files is None:
+        if self.files.get(split) is None:
             return
-        n = files.num_rows
         total = self.num_batches(split, batch_size)
         total = min(total, max_batches) if max_batches else total
         r_lo, r_hi = rank * total // world, (rank + 1) * total // world
         m = r_hi - r_lo
         b_lo, b_hi = r_lo + worker * m // workers, r_lo + (worker + 1) * m // workers
-        if b_lo >= b_hi:
+        yield from self.file_order_batches(split, batch_size, b_lo, b_hi)
+
+    def file_order_batches(
+        self, split: Split, batch_size: int, b_lo: int, b_hi: int
+    ) -> Iterator[ParquetBatch]:
+        """Batches ``[b_lo, b_hi)`` of ``split`` in file order (batch ``j``: rows ``[j B, (j + 1) B)``, the
+        last may be short), whatever ``shuffle`` says: how held-out splits are read, and how
+        ``gem-train predict`` reads any split."""
+        files = self.files.get(split)
+        if files is None or b_lo >= b_hi:
             return
+        n = files.num_rows
         reader = _Reader(files, self.columns)
         order, cum = self._order_in_file(files)
         w = max(self.cfg.shuffle_buffer // batch_size, 1)  # batches per window
@@ -432,7 +472,7 @@ class ParquetSource:
                     g,
                     r,
                 )
-        return ParquetBatch(LoadedBatch(batch, index, None), n_bad, reason)
+        return ParquetBatch(LoadedBatch(batch, index, None), n_bad, reason, block.key_rows(lo, hi))
 
     def _in_memory(self, split: str) -> Block:
         """The whole split, checked and converted once (``shuffle = "global"``)."""

@@ -75,6 +75,7 @@ class ParquetLayout:
         out += [c for _, c in self.labels]
         if self.cfg.request_time:
             out.append(self.cfg.request_time)
+        out += list(self.cfg.keys)
         return list(dict.fromkeys(out))
 
     def check_schema(self, schema: pa.Schema, path: str) -> None:
@@ -130,20 +131,57 @@ class ParquetLayout:
             tp = get(self.cfg.request_time, "request_time")
             if not pa.types.is_integer(tp):
                 raise ParquetDataError(f"request_time column is {tp}, expected int64 seconds", path)
+        for column in self.cfg.keys:
+            tp = get(column, "a key column (data.parquet.keys)")
+            if not (pa.types.is_integer(tp) or pa.types.is_string(tp) or pa.types.is_large_string(tp)):
+                raise ParquetDataError(
+                    f"key column {column!r} is {tp}, expected an integer or a string", path
+                )
 
 
 @dataclass
 class SplitFiles:
-    """The files of one split: ``paths`` in order, ``row_groups[(file, group)]`` rows, in file order."""
+    """The files of one split: ``paths`` in order, ``row_groups[(file, group)]`` rows, in file order.
+
+    ``keep`` (optional) selects rows: ``keep[g]`` holds the sorted indices, within row group ``g``, of the
+    rows that belong to this split (two splits may share files with complementary selections: the
+    validation split cut from the training files by time). ``group_rows`` then counts the kept rows, and
+    ``footer_rows`` the row group's rows as its footer says (checked when it is read).
+    """
 
     paths: list[str]
     group_file: np.ndarray  # [G] file index of every row group, in (file, group) order
     group_index: np.ndarray  # [G] the row group's index within its file
-    group_rows: np.ndarray  # [G] rows
+    group_rows: np.ndarray  # [G] rows (the kept rows, with ``keep``)
+    keep: list[np.ndarray] | None = None  # [G] of int64 kept row indices within each row group
+    footer_rows: np.ndarray | None = None  # [G] rows per the footer (default: group_rows)
 
     @property
     def num_rows(self) -> int:
         return int(self.group_rows.sum())
+
+    def physical_rows(self, g: int) -> int:
+        """Rows of row group ``g`` as its footer says (before any selection)."""
+        rows = self.footer_rows if self.footer_rows is not None else self.group_rows
+        return int(rows[g])
+
+    def select(self, masks: list[np.ndarray]) -> SplitFiles:
+        """The rows of this split (no selection yet) where ``masks[g]`` (bool, one per row of group ``g``)
+        is True; row groups with no row selected are dropped."""
+        if self.keep is not None:
+            raise ValueError("select() applies to a split without a selection")
+        if len(masks) != len(self.group_rows):
+            raise ValueError(f"{len(masks)} masks for {len(self.group_rows)} row groups")
+        keep = [np.flatnonzero(m).astype(np.int64) for m in masks]
+        used = np.array([len(k) > 0 for k in keep], bool)
+        return SplitFiles(
+            self.paths,
+            self.group_file[used],
+            self.group_index[used],
+            np.array([len(k) for k in keep], np.int64)[used],
+            [k for k, u in zip(keep, used, strict=True) if u],
+            self.group_rows[used],
+        )
 
 
 def split_files(layout: ParquetLayout, patterns: list[str], root: Path, split: str) -> SplitFiles:

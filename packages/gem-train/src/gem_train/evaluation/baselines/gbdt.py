@@ -106,7 +106,8 @@ def run_gbdt(
     if not source.num_batches("valid", cfg.data.eval_batch_size):
         raise ConfigError(
             "the gbdt baseline chooses its trees on a validation split, and this dataset has none "
-            "(data.movielens.valid_fraction, data.synthetic.valid_examples or data.parquet.valid)"
+            "(data.movielens.valid_fraction, data.synthetic.valid_examples, data.parquet.valid or "
+            "data.parquet.valid_fraction)"
         )
     n_train = source.num_batches("train", cfg.data.batch_size)
     if n_train is None:  # an endless stream: as many batches as asked

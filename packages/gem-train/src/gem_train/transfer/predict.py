@@ -1,0 +1,342 @@
+"""``gem-train predict``: stream a dataset through a trained model and write its predictions to Parquet.
+
+Each split is read once in a fixed order (:func:`gem_train.transfer.rows.split_plan`) and cut into shards of
+``K`` consecutive batches; shard ``j`` is written by rank ``j mod W`` (one process, or ``torchrun``), with
+every row's keys, each task's probability and logit and, with ``embeddings``, the model's representation
+(:mod:`gem_train.transfer.representation`). Shards are atomic and name the run they belong to
+(:mod:`gem_train.transfer.prediction_files`), so a rerun after a crash writes only the missing ones; rank 0
+writes the manifest once every shard exists. The model runs as it was evaluated in training: its precision
+recipe, and bf16 autocast where ``train.autocast`` gives it (CUDA by default), logits read in fp32. On the
+CPU, freed host memory stays in the heap (:mod:`gem_train.transfer.heap`: ~1.25x the forward's rate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from tqdm.auto import tqdm
+
+from gem_model import GemBatch
+from gem_train.config import TrainConfig, config_to_dict
+from gem_train.data.balance import concat_batches
+from gem_train.loop.distributed import all_gather_object
+from gem_train.transfer.heap import keep_freed_memory
+from gem_train.transfer.prediction_files import (
+    PredictionFilesError,
+    remove_temporaries,
+    shard_columns,
+    shard_info,
+    shard_name,
+    write_manifest,
+    write_shard,
+)
+from gem_train.transfer.representation import RepresentationCapture
+from gem_train.transfer.rows import SplitPlan, fingerprint, join_columns, split_plan
+
+__all__ = ["PredictResult", "forward_outputs", "run_predict"]
+
+SHARD_ROWS = 65_536  # rows per shard (about): one shard is what a rank holds in memory at once
+
+
+@dataclass
+class PredictResult:
+    """What :func:`run_predict` did: rows per split written (or found complete), the time and the rate of
+    the rows predicted now (every rank together)."""
+
+    out: Path
+    rows: dict[str, int]
+    predicted_rows: int
+    seconds: float
+    examples_per_s: float
+    manifest: dict[str, Any]
+
+
+@torch.inference_mode()
+def forward_outputs(
+    model: nn.Module,
+    batch: GemBatch,
+    tasks: tuple[str, ...],
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+    capture: RepresentationCapture | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logits [B, T] float32, representation [B, D] float32 or None)`` of ``model`` in eval mode on
+    ``batch``, on the host."""
+    ctx = (
+        torch.autocast(device_type=device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    if capture is not None:
+        capture.enabled = True
+    try:
+        with ctx:
+            out = model(batch.to(device, non_blocking=True))
+        logits = torch.stack([out[t].float() for t in tasks], 1).cpu()
+        rep = capture.take().float().cpu() if capture is not None else None
+    finally:
+        if capture is not None:
+            capture.enabled = False
+    return logits, rep
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class _ShardBatches(IterableDataset):
+    """``(split, shard, batch number, GemBatch, keys)`` of the pending shards; loader worker ``w`` of ``n``
+    makes every ``n``-th shard, in order."""
+
+    def __init__(self, plans: dict[str, SplitPlan], shards: list[tuple[str, int, int, int]]) -> None:
+        super().__init__()
+        self.plans, self.shards = plans, shards
+
+    def __iter__(self) -> Iterator[tuple[str, int, int, GemBatch, dict[str, np.ndarray]]]:
+        info = get_worker_info()
+        worker, n = (0, 1) if info is None else (info.id, info.num_workers)
+        for split, shard, lo, hi in self.shards[worker::n]:
+            for b, (batch, keys) in enumerate(self.plans[split].batches(lo, hi)):
+                yield split, shard, lo + b, batch, keys
+
+
+@dataclass
+class _Shard:
+    split: str
+    index: int
+    lo: int
+    hi: int
+    meta: dict[str, Any]
+    parts: list[tuple[int, dict[str, np.ndarray], np.ndarray | None]]
+    pending: list[tuple[int, GemBatch, dict[str, np.ndarray]]]
+
+    @property
+    def done(self) -> bool:
+        return len(self.parts) == self.hi - self.lo
+
+
+def _identity(cfg: TrainConfig, run: Any, ckpt: Path, step: int, embeddings: bool) -> dict[str, Any]:
+    return {
+        "checkpoint": str(ckpt),
+        "step": step,
+        "tasks": list(run.tasks),
+        "embeddings": embeddings,
+        "data": fingerprint(cfg, run.source),
+        "key_columns": join_columns(run.source),
+    }
+
+
+def _plan_shards(
+    out: Path, plans: dict[str, SplitPlan], shard_rows: int, identity: dict[str, Any], rank: int, world: int
+) -> tuple[list[_Shard], dict[str, int]]:
+    """This rank's shards still to write, and the rows of the complete ones (checked to be this run's)."""
+    todo: list[_Shard] = []
+    found: dict[str, int] = {}
+    for split, plan in plans.items():
+        k = max(1, shard_rows // plan.batch_size)
+        n_shards = -(-plan.num_batches // k)
+        mine = list(range(rank, n_shards, world))
+        remove_temporaries(out, [shard_name(split, j) for j in mine])
+        for j in mine:
+            lo, hi = j * k, min((j + 1) * k, plan.num_batches)
+            meta = {**identity, "split": split, "shard": j, "first_batch": lo, "batches": hi - lo,
+                    "batch_size": plan.batch_size}  # fmt: skip
+            path = out / shard_name(split, j)
+            if path.exists():
+                info = shard_info(path)
+                if info is None:
+                    raise PredictionFilesError(f"{path}: not a readable gem-train predict shard; remove it")
+                diff = [key for key in meta if info.get(key) != meta[key]]
+                if diff:
+                    raise PredictionFilesError(
+                        f"{path} belongs to another predict run (it differs in {', '.join(diff)}): use "
+                        "another --out directory or remove this one"
+                    )
+                found[split] = found.get(split, 0) + int(info["rows"])
+                continue
+            todo.append(_Shard(split, j, lo, hi, meta, [], []))
+    return todo, found
+
+
+def _flush(
+    shard: _Shard, model: nn.Module, run: Any, capture: RepresentationCapture | None
+) -> tuple[int, float]:
+    """Forward the shard's buffered batches as one; returns (rows, seconds of model time)."""
+    parts = shard.pending
+    shard.pending = []
+    batch = concat_batches([b for _, b, _ in parts])
+    t0 = time.perf_counter()
+    logits, rep = forward_outputs(model, batch, run.tasks, run.device, run.autocast_dtype, capture)
+    seconds = time.perf_counter() - t0
+    start = 0
+    for number, b, keys in parts:
+        n = b.batch_size
+        lg = logits[start : start + n].numpy()
+        cols = dict(keys)
+        for j, task in enumerate(run.tasks):
+            cols[f"{task}_prob"] = (1.0 / (1.0 + np.exp(-lg[:, j].astype(np.float64)))).astype(np.float32)
+            cols[f"{task}_logit"] = lg[:, j].astype(np.float32)
+        emb = rep[start : start + n].numpy() if rep is not None else None
+        shard.parts.append((number, cols, emb))
+        start += n
+    return batch.batch_size, seconds
+
+
+def _write(out: Path, shard: _Shard) -> dict[str, Any]:
+    parts = sorted(shard.parts, key=lambda p: p[0])
+    names = list(parts[0][1])
+    cols = {k: np.concatenate([p[1][k] for p in parts]) for k in names}
+    emb = np.concatenate([p[2] for p in parts]) if parts[0][2] is not None else None
+    meta = dict(shard.meta)
+    if emb is not None:  # per-dimension sums, so the manifest can say each split's mean and std
+        e = emb.astype(np.float64)
+        meta["embedding_sum"] = e.sum(0).tolist()
+        meta["embedding_sumsq"] = np.square(e).sum(0).tolist()
+    if not all(np.isfinite(cols[k]).all() for k in names if k.endswith("_logit")):
+        raise FloatingPointError(f"non-finite predictions in {shard.split} shard {shard.index}")
+    write_shard(out / shard_name(shard.split, shard.index), shard_columns(cols, emb), meta)
+    return meta
+
+
+def _manifest(
+    out: Path, cfg: TrainConfig, run: Any, identity: dict[str, Any], plans: dict[str, SplitPlan],
+    shard_rows: int, width: int, what: str,
+) -> dict[str, Any]:  # fmt: skip
+    """Rank 0: every shard of every split present and this run's -> the manifest (written atomically)."""
+    splits: dict[str, Any] = {}
+    for split, plan in plans.items():
+        k = max(1, shard_rows // plan.batch_size)
+        shards, rows = [], 0
+        s1, s2 = np.zeros(width), np.zeros(width)
+        for j in range(-(-plan.num_batches // k)):
+            path = out / shard_name(split, j)
+            info = shard_info(path)
+            if info is None or any(info.get(key) != identity[key] for key in identity):
+                raise PredictionFilesError(f"{path}: missing or of another run after every rank finished")
+            shards.append({"file": path.name, "first_batch": info["first_batch"], "batches": info["batches"],
+                           "rows": info["rows"], "bytes": info["bytes"]})  # fmt: skip
+            rows += info["rows"]
+            if width:
+                s1 += np.asarray(info["embedding_sum"])
+                s2 += np.asarray(info["embedding_sumsq"])
+        entry: dict[str, Any] = {"rows": rows, "batches": plan.num_batches, "batch_size": plan.batch_size,
+                                 "shards": shards}  # fmt: skip
+        if width and rows:
+            mean = s1 / rows
+            entry["embedding_mean"] = mean.tolist()
+            entry["embedding_std"] = np.sqrt(np.maximum(s2 / rows - mean**2, 0.0)).tolist()
+        splits[split] = entry
+    manifest = {
+        **identity,
+        "autocast": str(run.autocast_dtype).replace("torch.", "") if run.autocast_dtype else "fp32",
+        "precision_recipe": cfg.precision.recipe,
+        "embedding": {"dim": width, "tensor": what} if width else None,
+        "columns": [*identity["key_columns"], *[f"{t}_{s}" for t in run.tasks for s in ("prob", "logit")]],
+        "config": config_to_dict(cfg),
+        "splits": splits,
+    }
+    write_manifest(out, manifest)
+    return manifest
+
+
+def run_predict(
+    cfg: TrainConfig,
+    checkpoint: str | Path,
+    out: str | Path,
+    splits: tuple[str, ...] = ("train", "valid", "test"),
+    *,
+    embeddings: bool = False,
+    train_batches: int = 0,
+    shard_rows: int = SHARD_ROWS,
+    progress: bool = True,
+    compile: bool = False,
+) -> PredictResult:
+    """Predict every row of ``splits`` with the model of ``checkpoint`` (its config is ``cfg``) into
+    ``out`` (see the module docstring). Splits the dataset does not have (an empty validation split) are
+    skipped. Every rank of a ``torchrun`` calls it; rank 0 writes the manifest and every rank returns it.
+    ``compile``: the model's layers compiled by :func:`gem_parallel.compile_layers` (dynamic shapes; on the
+    CPU inductor's C++ backend): a warm-up of minutes the first time (cached on disk after), so for large
+    splits."""
+    from gem_train.checkpoint import load_checkpoint
+    from gem_train.loop.build import build_run
+
+    run = build_run(cfg, training=False)
+    if run.device.type == "cpu":
+        keep_freed_memory()  # the CPU forward's MB-sized temporaries reused, not page-faulted in afresh
+    state = load_checkpoint(checkpoint, run.model, None, restore_rng=False)
+    step = int(state["step"])
+    model = run.model.eval()
+    if compile:
+        from gem_parallel import compile_layers
+
+        compile_layers(model)  # in place: parameter names, hooks on the heads and the outputs unchanged
+    capture = RepresentationCapture(model) if embeddings else None
+    width, what = (capture.width, capture.what) if capture is not None else (0, "")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank, world = run.dist.rank, run.dist.world_size
+    plans = {s: split_plan(cfg, run.source, s, train_batches) for s in splits}
+    plans = {s: p for s, p in plans.items() if p.num_batches > 0}
+    identity = _identity(cfg, run, Path(checkpoint).resolve(), step, embeddings)
+    todo, _ = _plan_shards(out, plans, shard_rows, identity, rank, world)
+    chunk = max(cfg.data.eval_batch_size, cfg.data.batch_size)
+    total = sum(plans[s.split].shard_rows(s.lo, s.hi) for s in todo)
+    bar = tqdm(total=total, disable=not (progress and rank == 0), unit="ex", unit_scale=True,
+               dynamic_ncols=True, desc=f"predict {'+'.join(plans)}", file=sys.stderr)  # fmt: skip
+    by_key = {(s.split, s.index): s for s in todo}
+    loader = DataLoader(
+        _ShardBatches(plans, [(s.split, s.index, s.lo, s.hi) for s in todo]),
+        batch_size=None,
+        collate_fn=_as_is,  # keep the keys NumPy (the default would make tensors of them)
+        num_workers=cfg.data.num_workers,
+        generator=torch.Generator().manual_seed(0),
+    )
+    predicted, t0 = 0, time.perf_counter()
+    try:
+        for split, j, number, batch, keys in loader:
+            shard = by_key[(split, j)]
+            shard.pending.append((number, batch, keys))
+            buffered = sum(b.batch_size for _, b, _ in shard.pending)
+            if buffered >= chunk or len(shard.parts) + len(shard.pending) == shard.hi - shard.lo:
+                n, _ = _flush(shard, model, run, capture)
+                predicted += n
+                bar.update(n)  # the bar shows examples/s
+            if shard.done:
+                _write(out, shard)
+                del by_key[(split, j)]
+    finally:
+        bar.close()
+        if capture is not None:
+            capture.remove()
+    seconds = time.perf_counter() - t0
+    stats = all_gather_object((predicted, seconds), world)
+    if world > 1:
+        dist.barrier()
+    manifest = _manifest(out, cfg, run, identity, plans, shard_rows, width, what) if rank == 0 else {}
+    if world > 1:
+        dist.barrier()
+    if rank != 0:
+        from gem_train.transfer.prediction_files import read_manifest
+
+        manifest = read_manifest(out)
+    rows_now = sum(p for p, _ in stats)
+    wall = max((s for _, s in stats), default=0.0)
+    return PredictResult(
+        out,
+        {s: int(e["rows"]) for s, e in manifest["splits"].items()},
+        rows_now,
+        wall,
+        rows_now / wall if wall > 0 else 0.0,
+        manifest,
+    )
