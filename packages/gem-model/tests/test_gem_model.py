@@ -74,7 +74,7 @@ def test_blocks_shapes():
     config = _config()
     model = _model(config)
     batch = gm.random_batch(config.features, 5, seed=1)
-    pooled, embedded = model.embeddings(batch)
+    pooled, embedded, _ = model.embeddings(batch)
     assert pooled.shape == (5, 3, 8) and pooled.dtype == torch.float32
     assert embedded["hist"][0].shape == (batch.sequences["hist"].item_ids.numel(), 8)
     x = model.input.tokens(batch, pooled)
@@ -408,7 +408,7 @@ def test_pooled_embeddings_follow_the_feature_names_whatever_the_key_order_of_th
     config = _config()
     model = _model(config)
     batch = gm.random_batch(config.features, 6, seed=3)
-    expected, _ = model.embeddings(batch)
+    expected, _, _ = model.embeddings(batch)
     bags = model.embeddings.bags
 
     class Permuted(torch.nn.Module):
@@ -418,7 +418,7 @@ def test_pooled_embeddings_follow_the_feature_names_whatever_the_key_order_of_th
             return KeyedTensor.from_tensor_list(keys, [d[k] for k in keys])
 
     model.embeddings.bags = Permuted()
-    got, _ = model.embeddings(batch)
+    got, _, _ = model.embeddings(batch)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 

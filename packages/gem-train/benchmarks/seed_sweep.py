@@ -11,13 +11,24 @@ writes ``<out>/seed_sweep.json`` (every number) and ``<out>/seed_sweep.png``.
     uv run --no-sync python packages/gem-train/benchmarks/seed_sweep.py --models gbdt mlp --seeds 0 1
     ... --seeds 3 --out runs/s3 --no-plot; ... --merge runs/s*/seed_sweep.json --out runs/sweep  # in parallel
     ... --gem model.overrides.dropout=0.1 --all train.steps=600     # overrides: GEM only / every torch model
+
+The quality suite (issue 35): on a synthetic config the same command also computes, per seed, the CTR floors
+of the test rows the trainer evaluates (:mod:`identifiable_floor`: the Bayes floor and the identifiable floor)
+and reports each model's gap to them, in the table and as lines in the PNG. Synthetic data has no validation
+split unless asked for, and the models select on one:
+
+    # CPU: tiny synthetic (each model its steps; the GBDT reads as many training batches)
+    uv run --no-sync python packages/gem-train/benchmarks/seed_sweep.py --config tiny-cpu --seeds 0 \\
+        --all train.valid_every=500 data.synthetic.valid_examples=8192 train.steps=3000 --out runs/suite_tiny
+    # GPU: base-h200 synthetic, GEM and the MLP
+    uv run --no-sync python packages/gem-train/benchmarks/seed_sweep.py --config base-h200 --models gem mlp \\
+        --seeds 0 --all train.valid_every=1000 data.synthetic.valid_examples=32768 --out runs/suite_h200
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -53,11 +64,34 @@ def _gbdt_run(config: str, overrides: list[str]) -> dict[str, Any]:
     from gem_train.evaluation.baselines.gbdt import build_gbdt_source, run_gbdt
 
     cfg = load_config(config, overrides)
-    res = run_gbdt(cfg, build_gbdt_source(cfg))
+    # An endless stream (synthetic): as many training batches as the torch models' steps.
+    steps = cfg.train.steps if cfg.data.source == "synthetic" else 0
+    res = run_gbdt(cfg, build_gbdt_source(cfg), max_train_batches=steps)
     task = cfg.train.select_task if cfg.train.select_task in res.test else next(iter(res.test))
     m = res.test[task]
     return {"ne": m.ne, "auc": m.auc, "valid_ne": res.valid[task].ne, "params": res.params[task],
             "seconds": res.seconds}  # fmt: skip
+
+
+def _floors(config: str, overrides: list[str]) -> dict[str, Any] | None:
+    """The CTR floors of the test rows the trainer evaluates (synthetic configs only; else None)."""
+    from gem_train.config import load_config
+
+    cfg = load_config(config, overrides)
+    if cfg.data.source != "synthetic":
+        return None
+    import identifiable_floor
+
+    bs, held_out = cfg.data.eval_batch_size, cfg.data.synthetic.eval_examples
+    batches = cfg.train.eval_batches or -(-held_out // bs)
+    res = identifiable_floor.compute(cfg.data.synthetic, batches, bs, "test", cfg.run.seed)
+    return {"floor_ne": res["floor_ne"], "identifiable_ne": res["identifiable_ne"], "rows": res["rows"]}
+
+
+def _gap(results: dict[str, Any], m: str, key: str) -> list[float]:
+    """Model ``m``'s test NE over the seed's floor ``key``, minus 1, per seed that has a floor."""
+    floors = results.get("floors", {})
+    return [r["ne"] / floors[s][key] - 1 for s, r in results[m].items() if s in floors]
 
 
 def _plot(results: dict[str, dict[int, dict[str, Any]]], path: Path) -> None:
@@ -77,6 +111,14 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], path: Path) -> None:
         ax.set_ylabel(label)
         lo = min(r[key] for m in models for r in results[m].values())
         hi = max(r[key] for m in models for r in results[m].values())
+        floors = list(results.get("floors", {}).values())
+        if key == "ne" and floors:  # synthetic: the seeds' mean floors as lines
+            lines = (("floor_ne", ":", "Bayes floor"), ("identifiable_ne", "--", "identifiable"))
+            for fkey, style, name in lines:
+                y = float(np.mean([f[fkey] for f in floors]))
+                ax.axhline(y, color="k", linestyle=style, linewidth=1, label=f"{name} {y:.4f}")
+                lo = min(lo, y)
+            ax.legend(fontsize=7, loc="upper right")
         ax.set_ylim(lo - 0.02, hi + 0.02)
     seeds = sorted({s for m in models for s in results[m]})
     fig.suptitle(f"selected on validation, seeds {seeds} (mean ± std, dots: seeds)")
@@ -89,7 +131,7 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], path: Path) -> None:
 
 def _mean_std(vals: list[float]) -> str:
     a = np.array(vals)
-    return f"{a.mean():.4f} ± {a.std(ddof=1) if len(a) > 1 else math.nan:.4f}"
+    return f"{a.mean():.4f} ± {a.std(ddof=1):.4f}" if len(a) > 1 else f"{a.mean():.4f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     summary_path = args.out / "seed_sweep.json"
     for seed in args.seeds:
         common = [*args.all, f"run.seed={seed}"]
+        floors = _floors(args.config, common)
+        if floors is not None:
+            results.setdefault("floors", {})[seed] = floors
+            print(f"seed {seed} floors: Bayes {floors['floor_ne']:.4f}, identifiable "
+                  f"{floors['identifiable_ne']:.4f} ({floors['rows']} test rows)", flush=True)  # fmt: skip
         for m in args.models:
             if m == "gem":
                 r = _torch_run(args.config, [*common, *args.gem], args.out)
@@ -146,7 +193,7 @@ def _merge(paths: list[Path], out: Path, plot: bool) -> int:
     for path in paths:
         doc = json.loads(path.read_text(encoding="utf-8"))
         configs.add(doc["config"])
-        for m, by_seed in doc["results"].items():
+        for m, by_seed in doc["results"].items():  # the models, and "floors" on synthetic data
             results.setdefault(m, {}).update({int(s): r for s, r in by_seed.items()})
     if len(configs) != 1:
         raise SystemExit(f"seed_sweep --merge: the files come from different configs {sorted(configs)}")
@@ -162,17 +209,34 @@ def _merge(paths: list[Path], out: Path, plot: bool) -> int:
 def _report(results: dict[str, dict[int, dict[str, Any]]], out: Path, plot: bool) -> None:
     """Print mean ± std per model (validation NE too: what selects a variant) and GEM's gain over the
     GBDT per seed; write the PNG."""
-    print("\n| model | seeds | valid NE | test NE | test AUC |\n|---|---|---|---|---|")
+    synthetic = bool(results.get("floors"))
+    extra = " over Bayes floor | over identifiable floor |" if synthetic else ""
+    print(f"\n| model | seeds | valid NE | test NE | test AUC |{extra}\n|---|---|---|---|---|"
+          + ("---|---|" if synthetic else ""))  # fmt: skip
     for m in [m for m in MODELS if results.get(m)]:
         rs = results[m]
+        gaps = ""
+        if synthetic:
+            gaps = "".join(
+                f" {100 * np.mean(g):+.2f}% |" if (g := _gap(results, m, k)) else " — |"
+                for k in ("floor_ne", "identifiable_ne")
+            )
         print(f"| {m} | {len(rs)} | {_mean_std([r['valid_ne'] for r in rs.values()])} | "
               f"{_mean_std([r['ne'] for r in rs.values()])} | "
-              f"{_mean_std([r['auc'] for r in rs.values()])} |")  # fmt: skip
-    if results.get("gem") and results.get("gbdt"):
-        both = sorted(set(results["gem"]) & set(results["gbdt"]))
-        gains = {s: 1 - results["gem"][s]["ne"] / results["gbdt"][s]["ne"] for s in both}
-        print("GEM vs GBDT, relative NE gain per seed: "
-              + ", ".join(f"{s}: {100 * g:+.2f}%" for s, g in gains.items()))  # fmt: skip
+              f"{_mean_std([r['auc'] for r in rs.values()])} |{gaps}")  # fmt: skip
+    if synthetic:
+        fl = list(results["floors"].values())
+        print(f"floors (mean over seeds): Bayes {_mean_std([f['floor_ne'] for f in fl])}, identifiable "
+              f"{_mean_std([f['identifiable_ne'] for f in fl])}")  # fmt: skip
+    for base in ("gbdt", "mlp"):  # issue 35's targets: GEM's NE gain per seed, and its AUC lead
+        if not (results.get("gem") and results.get(base)):
+            continue
+        both = sorted(set(results["gem"]) & set(results[base]))
+        gains = {s: 1 - results["gem"][s]["ne"] / results[base][s]["ne"] for s in both}
+        auc = np.mean([results["gem"][s]["auc"] - results[base][s]["auc"] for s in both])
+        print(f"GEM vs {base.upper()}: relative NE gain per seed "
+              + ", ".join(f"{s}: {100 * g:+.2f}%" for s, g in gains.items())
+              + f"; mean {100 * np.mean(list(gains.values())):+.2f}%; AUC {auc:+.4f}")  # fmt: skip
     if plot:
         _plot(results, out / "seed_sweep.png")
     print(f"wrote {out / 'seed_sweep.json'}" + (f" and {out / 'seed_sweep.png'}" if plot else ""))

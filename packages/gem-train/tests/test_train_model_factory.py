@@ -89,3 +89,24 @@ def test_baseline_dropout_acts_in_training_only():
     assert [k for k in plain.state_dict() if k.startswith("mlp.")] == [
         "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias", "mlp.4.weight", "mlp.4.bias",
     ]  # fmt: skip
+
+
+def test_target_attention_and_history_objective_train_through_the_loop(tmp_path, small_config):
+    """The issue-35 options reach the model from the TOML overrides, and the trainer's step adds the model's
+    auxiliary loss (the logged loss is above the tasks' mean BCE by that weighted loss)."""
+    from gem_train.loop.trainer import Trainer
+
+    on = ('model.overrides.target_item_feature="ad_id"', "model.overrides.history_action_weight=0.5")
+    cfg = small_config(tmp_path, *on, "train.steps=2", "checkpoint.every=0")
+    gc = build_gem_config(cfg.model, SyntheticAds(cfg.data.synthetic, 0).spec)
+    assert gc.target_item_feature == "ad_id" and gc.history_action_weight == 0.5
+    trainer = Trainer(cfg)
+    model = trainer.built_run.model
+    batch = SyntheticAds(cfg.data.synthetic, 0).make_batch("train", 0, 16).batch
+    out = model.train()(batch)
+    loss, per_task = multitask_loss(out, batch)
+    aux = per_task["aux/history_action"]
+    assert float(aux) > 0 and torch.isclose(loss, (per_task["ctr"] + per_task["cvr"]) / 2 + aux)
+    result = trainer.fit()
+    assert result.status == "completed" and result.final_eval is not None
+    assert set(result.final_eval.tasks) == {"ctr", "cvr"}

@@ -53,6 +53,18 @@ class GemConfig:
             (context cross-attention, self-attention, SwiGLU) and on the heads' hidden layers (0: off).
         embedding_dropout: dropout probability on the input tokens (non-sequence tokens and history
             events, after their embeddings are combined) (0: off).
+
+    Target-aware attention (:mod:`gem_model.target`; off by default, and then the model, its parameters
+    and its checkpoint keys are what they were without these fields):
+        target_item_feature: the sparse feature holding the candidate item's id in the first sequence's
+            item vocabulary (e.g. "ad_id"); None: off. When set, the candidate is also embedded with that
+            sequence's item table (shared rows: the candidate and the history items live in one space),
+            its embedding queries the history (DIN / HSTU style: every earlier event, a learned "no
+            event" token for an empty history), and the readout adds one token to the heads' input.
+        history_action_weight: weight of the autoregressive auxiliary objective (HSTU's training): the
+            same target-aware attention, queried by each history event's item, predicts that event's
+            action (cross-entropy over ``num_actions``) from the events strictly earlier in time; added
+            to the loss by :func:`gem_model.multitask_loss` (0: off; needs ``target_item_feature``).
     """
 
     features: FeatureSpec
@@ -84,6 +96,8 @@ class GemConfig:
     norm_eps: float = 1e-5
     dropout: float = 0.0
     embedding_dropout: float = 0.0
+    target_item_feature: str | None = None
+    history_action_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.features, FeatureSpec):
@@ -127,9 +141,40 @@ class GemConfig:
         fm = self.wukong_fm_tokens
         if fm is not None and not (1 <= fm <= self.n_tokens):
             raise ValueError(f"GemConfig.wukong_fm_tokens must lie in [1, {self.n_tokens}], got {fm}")
+        self._check_target()
         object.__setattr__(self, "head_hidden", tuple(self.head_hidden))
         if any(h < 1 for h in self.head_hidden):
             raise ValueError(f"GemConfig.head_hidden must hold positive ints, got {self.head_hidden}")
+
+    def _check_target(self) -> None:
+        name, w = self.target_item_feature, self.history_action_weight
+        if not isinstance(w, (int, float)) or not 0.0 <= w < float("inf"):
+            raise ValueError(f"GemConfig.history_action_weight must be a finite number >= 0, got {w!r}")
+        if name is None:
+            if w:
+                raise ValueError(
+                    "GemConfig.history_action_weight needs target_item_feature (the auxiliary objective "
+                    "reads the history through the target-aware attention)"
+                )
+            return
+        by_name = {f.name: f for f in self.features.sparse}
+        if name not in by_name:
+            raise ValueError(
+                f"GemConfig.target_item_feature {name!r} is not a sparse feature of the spec "
+                f"({', '.join(by_name) or 'none'})"
+            )
+        feature, seq = by_name[name], self.features.sequences[0]
+        if feature.max_ids != 1 or feature.num_embeddings != seq.num_items:
+            raise ValueError(
+                f"GemConfig.target_item_feature {name!r} must be one id per example in the item vocabulary "
+                f"of sequence {seq.name!r} ({seq.num_items} ids), got max_ids {feature.max_ids} and "
+                f"{feature.num_embeddings} ids"
+            )
+
+    @property
+    def has_target(self) -> bool:
+        """Whether the target-aware attention is on (``target_item_feature`` set)."""
+        return self.target_item_feature is not None
 
     @property
     def n_tokens(self) -> int:

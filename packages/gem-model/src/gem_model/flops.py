@@ -94,6 +94,24 @@ def _summaries(led: _Ledger, cfg: GemConfig, block: str, b: int, total: int, len
     led.mm(f"{block}.s_summary", b * cfg.n_seq_summary_tokens, d, d)
 
 
+def _target(led: _Ledger, cfg: GemConfig, b: int, lengths: list[int]) -> None:
+    """The target-aware attention of a training step (:mod:`gem_model.target`): with the auxiliary
+    objective every history event queries too (causal over ``n + 1`` rows a user), else the candidate only."""
+    d, e, a = cfg.d_model, cfg.embedding_dim, cfg.attn_dim
+    n = sum(lengths)
+    aux = cfg.history_action_weight > 0
+    rows_q = n + b if aux else b
+    pairs = sum((m + 1) * (m + 2) // 2 for m in lengths) if aux else n + b
+    led.mm("target", rows_q, e, d)  # item embedding -> query token
+    led.mm("target", rows_q, d, a)  # queries
+    led.mm("target", n + b, d, 2 * a)  # keys and values of [NONE, events]
+    led.attention("target", pairs, cfg.n_heads, cfg.head_dim, cfg.head_dim)
+    led.mm("target", rows_q, a, d)  # output projection
+    led.mm("target", rows_q, 3 * d, d)  # [r || q || r * q] -> g
+    if aux:
+        led.mm("target", n, d, cfg.features.sequences[0].num_actions)
+
+
 def flops_by_block(config: GemConfig, batch: GemBatch) -> dict[str, int]:
     """Forward+backward FLOPs per block (keys like ``input``, ``layers.0.self_attention``, ``heads``).
 
@@ -154,7 +172,10 @@ def flops_by_block(config: GemConfig, batch: GemBatch) -> dict[str, int]:
             led.mm(f"{blk}.ffn", total, cfg.ffn_hidden, d)
 
     _summaries(led, cfg, "final", b, total, lengths)
-    dims = ((cfg.n_sum_tokens + n_ss) * d, *cfg.head_hidden, 1)
+    if cfg.has_target:
+        _target(led, cfg, b, per_seq[0])
+    d_head = (cfg.n_sum_tokens + n_ss + int(cfg.has_target)) * d
+    dims = (d_head, *cfg.head_hidden, 1)
     for _ in cfg.features.tasks:
         for din, dout in itertools.pairwise(dims):
             led.mm("heads", b, din, dout)

@@ -30,8 +30,12 @@ from gem_model.config import GemConfig
 from gem_model.embeddings import GemEmbeddings
 from gem_model.interaction import NonSequenceSummary, SequenceSummary, WukongEnsemble, WukongLayer
 from gem_model.layers import RMSNorm, SwiGLU, init_linear
+from gem_model.target import TargetAttention, first_of_timestamp, history_action_loss
 
-__all__ = ["N_TIME_FEATURES", "GemLayer", "GemModel", "multitask_loss"]
+__all__ = ["AUX_LOSS_PREFIX", "N_TIME_FEATURES", "GemLayer", "GemModel", "multitask_loss"]
+
+# Output keys of auxiliary losses (already weighted scalars, training only): multitask_loss adds them.
+AUX_LOSS_PREFIX = "aux/"
 
 N_TIME_FEATURES = 16  # sin/cos of the log time gap at 8 frequencies
 
@@ -130,47 +134,71 @@ class InputEncoder(nn.Module):
     def history(
         self, batch: GemBatch, embedded: dict[str, tuple[Tensor, Tensor]]
     ) -> tuple[Tensor, Tensor, int, Tensor]:
+        """The merged history of every sequence: ``(tokens [total, d], offsets [B+1], max_len,
+        positions [total])``, dropout applied to the tokens."""
+        tok, offsets, max_len, pos, _ = self.history_and_first(batch, embedded)
+        return tok, offsets, max_len, pos
+
+    def history_and_first(
+        self, batch: GemBatch, embedded: dict[str, tuple[Tensor, Tensor]]
+    ) -> tuple[Tensor, Tensor, int, Tensor, tuple[Tensor, Tensor]]:
+        """:meth:`history`, plus the first sequence's own ``(tokens [n, d], positions [n])`` (its offsets and
+        max_len are the batch's), dropout applied: the target-aware attention reads that sequence alone."""
         cfg = self.config
         merged: tuple[Tensor, Tensor, Tensor, int] | None = None
+        first: tuple[Tensor, Tensor] | None = None
         for i, s in enumerate(cfg.features.sequences):
             seq = batch.sequences[s.name]
-            item, action = embedded[s.name]
-            tok = item + action
-            if s.num_event_features:
-                if seq.event_features is None:
-                    raise ValueError(
-                        f"sequence {s.name!r}: the spec has {s.num_event_features} event features "
-                        "but the batch carries none"
-                    )
-                proj = cast(nn.Linear, self.event_proj[s.name])
-                tok = tok + proj(seq.event_features.to(proj.weight.dtype)).to(tok.dtype)
-            tok = self.seq_proj(tok) if self.seq_proj is not None else tok
-            owner = torch.repeat_interleave(
-                torch.arange(batch.batch_size, device=seq.offsets.device),
-                seq.lengths,
-                output_size=seq.item_ids.numel(),
-            )
-            gap = (batch.request_time[owner] - seq.timestamps).clamp(min=0).to(torch.float32)
-            log_gap = torch.log1p(gap / cfg.time_scale_s)  # [total]: 0 for "now", ~13 for a year at 60 s
-            angles = log_gap[:, None] * self.time_freqs
-            time_tok = self.time_proj(torch.cat([angles.sin(), angles.cos()], dim=-1))
-            dtype = torch.promote_types(tok.dtype, time_tok.dtype)
-            tok = tok.to(dtype) + time_tok.to(dtype)
-            if self.seq_type is not None:
-                tok = tok + self.seq_type[i].to(tok.dtype)
-            pos = cfg.rotary_position_scale * log_gap
+            tok, pos = self._sequence_tokens(batch, embedded, i)
             if merged is None:
                 merged = (tok, pos, seq.offsets, seq.max_len)
+                first = (tok, pos)
                 continue
             m_tok, m_pos, m_off, m_len = merged
             dtype = torch.promote_types(m_tok.dtype, tok.dtype)
             c_tok, c_off = gem_kernels.jagged_concat(m_tok.to(dtype), m_off, tok.to(dtype), seq.offsets)
             c_pos, _ = gem_kernels.jagged_concat(m_pos[:, None], m_off, pos[:, None], seq.offsets)
             merged = (c_tok, c_pos[:, 0], c_off, m_len + seq.max_len)
-        if merged is None:
+        if merged is None or first is None:
             raise ValueError("GemModel needs at least one sequence feature")
         tok, pos, offsets, max_len = merged
-        return self.dropout(tok), offsets, max_len, pos
+        out = self.dropout(tok)
+        if len(cfg.features.sequences) == 1:
+            return out, offsets, max_len, pos, (out, pos)
+        return out, offsets, max_len, pos, (self.dropout(first[0]), first[1])
+
+    def _sequence_tokens(
+        self, batch: GemBatch, embedded: dict[str, tuple[Tensor, Tensor]], i: int
+    ) -> tuple[Tensor, Tensor]:
+        """Sequence ``i``'s event tokens ``[n, d]`` and temporal rotary positions ``[n]`` float32."""
+        cfg = self.config
+        s = cfg.features.sequences[i]
+        seq = batch.sequences[s.name]
+        item, action = embedded[s.name]
+        tok = item + action
+        if s.num_event_features:
+            if seq.event_features is None:
+                raise ValueError(
+                    f"sequence {s.name!r}: the spec has {s.num_event_features} event features "
+                    "but the batch carries none"
+                )
+            proj = cast(nn.Linear, self.event_proj[s.name])
+            tok = tok + proj(seq.event_features.to(proj.weight.dtype)).to(tok.dtype)
+        tok = self.seq_proj(tok) if self.seq_proj is not None else tok
+        owner = torch.repeat_interleave(
+            torch.arange(batch.batch_size, device=seq.offsets.device),
+            seq.lengths,
+            output_size=seq.item_ids.numel(),
+        )
+        gap = (batch.request_time[owner] - seq.timestamps).clamp(min=0).to(torch.float32)
+        log_gap = torch.log1p(gap / cfg.time_scale_s)  # [total]: 0 for "now", ~13 for a year at 60 s
+        angles = log_gap[:, None] * self.time_freqs
+        time_tok = self.time_proj(torch.cat([angles.sin(), angles.cos()], dim=-1))
+        dtype = torch.promote_types(tok.dtype, time_tok.dtype)
+        tok = tok.to(dtype) + time_tok.to(dtype)
+        if self.seq_type is not None:
+            tok = tok + self.seq_type[i].to(tok.dtype)
+        return tok, cfg.rotary_position_scale * log_gap
 
 
 class GemLayer(nn.Module):
@@ -288,6 +316,16 @@ class GemModel(nn.Module):
         self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps, device=device)
         self.final_x, self.final_s = _summaries(config, device)
         d_head = (config.n_sum_tokens + config.n_seq_summary_tokens) * config.d_model
+        # Target-aware attention (GemConfig.target_item_feature): one more token into the heads.
+        self.target: TargetAttention | None = None
+        if config.has_target:
+            self.target = TargetAttention(
+                config.d_model, config.embedding_dim, config.n_heads, config.head_dim,
+                num_actions=config.features.sequences[0].num_actions if config.history_action_weight else 0,
+                qk_norm=config.qk_norm, rotary_base=config.rotary_base, norm_eps=config.norm_eps,
+                dropout=config.dropout, device=device,
+            )  # fmt: skip
+            d_head += config.d_model
         self.heads = nn.ModuleDict(
             {
                 t: TaskHead(
@@ -311,6 +349,8 @@ class GemModel(nn.Module):
         self.final_s.reset_parameters()
         for head in self.heads.values():
             cast(TaskHead, head).reset_parameters()
+        if self.target is not None:
+            self.target.reset_parameters()
 
     def sparse_parameters(self) -> Iterator[nn.Parameter]:
         """Embedding-table parameters (for a row-wise sparse optimizer)."""
@@ -330,29 +370,55 @@ class GemModel(nn.Module):
             if id(p) in sparse:
                 continue
             leaf = name.rsplit(".", 1)[-1]
-            if p.dim() < 2 or leaf in ("seeds", "seq_type"):
+            if p.dim() < 2 or leaf in ("seeds", "seq_type", "none_token"):
                 yield p
 
     def forward(self, batch: GemBatch) -> dict[str, Tensor]:
-        """Returns task name -> logits ``[B]`` float32."""
-        pooled, embedded = self.embeddings(batch)
+        """Returns task name -> logits ``[B]`` float32; in training with ``history_action_weight > 0`` also
+        ``"aux/history_action"``: the weighted auxiliary loss (a float32 scalar, see :mod:`gem_model.target`),
+        which :func:`multitask_loss` adds."""
+        pooled, embedded, candidate = self.embeddings(batch)
         x = self.input.tokens(batch, pooled)
-        s, offsets, max_len, positions = self.input.history(batch, embedded)
+        s, offsets, max_len, positions, first = self.input.history_and_first(batch, embedded)
+        extra: list[Tensor] = []
+        out: dict[str, Tensor] = {}
+        if self.target is not None:
+            if candidate is None or candidate.shape[0] != batch.batch_size:
+                raise ValueError(
+                    f"GemModel: the target item feature {self.config.target_item_feature!r} must hold "
+                    "exactly one id per example"
+                )
+            seq_cfg = self.config.features.sequences[0]
+            seq = batch.sequences[seq_cfg.name]
+            aux = self.training and self.config.history_action_weight > 0
+            token, logits = self.target(
+                first[0], seq.offsets, seq.max_len, first[1], embedded[seq_cfg.name][0], candidate,
+                history_logits=aux,
+            )  # fmt: skip
+            extra.append(token[:, None, :])
+            if logits is not None:
+                supervised = first_of_timestamp(seq.timestamps, seq.offsets)
+                loss = history_action_loss(logits, seq.action_ids, supervised)
+                out[AUX_LOSS_PREFIX + "history_action"] = self.config.history_action_weight * loss
         for layer in self.layers.values():
             x, s = layer(x, s, offsets, max_len, positions)
         s_sum = self.final_s(self.final_norm(s), offsets, max_len)
         x_sum = self.final_x(x)
         dtype = torch.promote_types(x_sum.dtype, s_sum.dtype)
-        z = torch.cat([x_sum.to(dtype), s_sum.to(dtype)], dim=1).flatten(1)
-        return {task: head(z) for task, head in self.heads.items()}
+        z = torch.cat([x_sum.to(dtype), s_sum.to(dtype), *(t.to(dtype) for t in extra)], dim=1).flatten(1)
+        return {**{task: head(z) for task, head in self.heads.items()}, **out}
 
 
 def multitask_loss(logits: dict[str, Tensor], batch: GemBatch) -> tuple[Tensor, dict[str, Tensor]]:
-    """Mean over tasks of the masked binary cross-entropy (fp32).
+    """Mean over tasks of the masked binary cross-entropy (fp32), plus every auxiliary loss.
 
     Each task's loss averages over its labelled samples (a task with no label in the batch contributes
-    0 and is left out of the mean). Returns the total and the per-task losses (detached).
+    0 and is left out of the mean). Entries whose key starts with ``"aux/"`` are auxiliary losses the model
+    computed and weighted itself (scalars, e.g. ``"aux/history_action"``): they are added to the total as
+    they are. Returns the total and the per-task (and auxiliary) losses, detached.
     """
+    aux = {k: v for k, v in logits.items() if k.startswith(AUX_LOSS_PREFIX)}
+    logits = {k: v for k, v in logits.items() if not k.startswith(AUX_LOSS_PREFIX)}
     if batch.labels.shape[1] != len(logits):
         raise ValueError(
             f"multitask_loss: {len(logits)} tasks of logits but labels have {batch.labels.shape[1]}"
@@ -369,4 +435,8 @@ def multitask_loss(logits: dict[str, Tensor], batch: GemBatch) -> tuple[Tensor, 
         per_task[name] = loss.detach()
         total = total + loss
         n_tasks = n_tasks + (count > 0).to(torch.float32)
-    return total / n_tasks.clamp(min=1.0), per_task
+    total = total / n_tasks.clamp(min=1.0)
+    for name, loss in aux.items():
+        per_task[name] = loss.detach()
+        total = total + loss.float()
+    return total, per_task
