@@ -5,6 +5,10 @@ Shapes follow the tiny GEM model (``gem-train``'s ``tiny-cpu`` config): ``B`` se
 lengths (mu 2.8, sigma 0.9, clipped to ``[1, max_len]``), ``H=2``, ``D=32``; self-attention (causal
 softmax, causal silu GDPA) and cross-attention (a few PMA seed queries over each sequence; each sequence's
 tokens over a few keys). Run: ``python packages/gem-kernels/benchmarks/bench_attention_cpu.py``.
+
+``--forward`` times the forward alone (what inference runs) at the predict shapes (``--batch 1024 --dim 16``
+for ``tiny``), the softmax cases through PyTorch's fused CPU kernel against the batched-matmul path of the
+same module (the kernel switched off), alternating in one process.
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ def _fwd_bwd(impl, q, k, v, dout, qo, ko, act, left, right):
     impl.attention_bwd(dout, *args)
 
 
+def _forward_only(q, k, v, dout, qo, ko, act, left, right, fused: bool) -> None:
+    saved = cpu._FLASH_CPU
+    if not fused:
+        cpu._FLASH_CPU = None
+    try:
+        cpu.attention_fwd(q, k, v, qo, ko, act, left, right, q.shape[2] ** -0.5, 1.0 / 64)
+    finally:
+        cpu._FLASH_CPU = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
@@ -47,6 +61,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=4, help="PMA queries per sequence")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    parser.add_argument("--forward", action="store_true", help="forward only: fused kernel vs batched matmul")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -59,11 +74,28 @@ def main() -> None:
         ("cross PMA: seeds x hist", few, hist, "softmax", -1, -1),
         ("cross: hist x seeds", hist, few, "softmax", -1, -1),
     ]
+    if args.forward:
+        cases.insert(1, ("self window 16 softmax", hist, hist, "softmax", 16, 0))
+        if cpu._FLASH_CPU is None:
+            raise SystemExit("this torch has no fused CPU flash-attention kernel")
     print(
         f"B={args.batch} H={args.heads} D={args.dim} lengths log-normal(2.8, 0.9) in [1, {args.max_len}] "
-        f"(mean {hist.float().mean():.1f}), threads={torch.get_num_threads()}, fp32, fwd+bwd, median of "
+        f"(mean {hist.float().mean():.1f}), threads={torch.get_num_threads()}, fp32, "
+        f"{'forward' if args.forward else 'fwd+bwd'}, median of "
         f"{args.iters}"
     )
+    if args.forward:
+        print(f"{'case (forward only)':<26} {'matmul ms':>9} {'fused ms':>14} {'speed-up':>9}")
+        for name, lq, lk, act, left, right in cases:
+            if act != "softmax":
+                continue
+            tensors = _case(lq, lk, args.heads, args.dim, g)
+            plain, fused = (
+                timeit(functools.partial(_forward_only, *tensors, act, left, right, f), args.iters)
+                for f in (False, True)
+            )
+            print(f"{name:<26} {plain:>9.2f} {fused:>14.2f} {plain / fused:>8.2f}x")
+        return
     print(f"{'case':<26} {'loop ms':>9} {'vectorized ms':>14} {'speed-up':>9}")
     for name, lq, lk, act, left, right in cases:
         tensors = _case(lq, lk, args.heads, args.dim, g)

@@ -53,8 +53,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff / ref) if ref > 0 else float(diff)
 
 
-def _compare(lq, lk, act, band, dtype, seed):
-    q, k, v, dout, qo, ko = _inputs(lq, lk, dtype, seed)
+def _compare(lq, lk, act, band, dtype, seed, dv=5):
+    q, k, v, dout, qo, ko = _inputs(lq, lk, dtype, seed, dv=dv)
     args = (q, k, v, qo, ko, act, *band, 0.37, 0.61)
     out, lse = cpu.attention_fwd(*args)
     out_ref, lse_ref = reference.attention_fwd(*args)
@@ -78,6 +78,45 @@ def test_matches_oracle(act, band, dtype):
         _compare(lq, lk, act, band, dtype, seed=1000 * ACTS.index(act) + 10 * BANDS.index(band) + i)
 
 
+def _count_flash(monkeypatch) -> list[int]:
+    """Patch :func:`cpu._flash_softmax` to record each group it takes (its size)."""
+    calls: list[int] = []
+    real = cpu._flash_softmax
+
+    def counting(qb, kb, vb, grp, qk_scale):
+        calls.append(grp.size)
+        return real(qb, kb, vb, grp, qk_scale)
+
+    monkeypatch.setattr(cpu, "_flash_softmax", counting)
+    return calls
+
+
+@pytest.mark.skipif(cpu._FLASH_CPU is None, reason="this torch has no fused CPU flash-attention kernel")
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+@pytest.mark.parametrize("band", BANDS, ids=lambda b: f"l{b[0]}r{b[1]}")
+def test_flash_forward_matches_oracle(monkeypatch, band, dtype):
+    """With ``D == Dv`` the softmax forward runs PyTorch's fused CPU kernel (every mask shape: none for causal
+    self-attention, band, key padding, both); values, LSE (``-inf`` where a valid query sees no key: the
+    window (2, 1) over the short cross-attention keys) and the backward agree with the oracle."""
+    calls = _count_flash(monkeypatch)
+    for i, (lq, lk) in enumerate(CASES):
+        _compare(lq, lk, "softmax", band, dtype, seed=7000 + 10 * BANDS.index(band) + i, dv=8)
+    assert calls, "the fused kernel never ran"
+
+
+def test_flash_absent_falls_back(monkeypatch):
+    """Without the fused kernel (another build) the batched-matmul softmax runs, with the same results."""
+    q, k, v, _, qo, ko = _inputs([5, 0, 17, 1], [3, 4, 0, 9], torch.float64, seed=11, dv=8)
+    args = (q, k, v, qo, ko, "softmax", 2, 1, 0.37, 1.0)
+    fused = cpu.attention_fwd(*args)
+    monkeypatch.setattr(cpu, "_FLASH_CPU", None)
+    calls = _count_flash(monkeypatch)
+    plain = cpu.attention_fwd(*args)
+    assert calls == []
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-12, atol=1e-12)
+    assert torch.equal(torch.isinf(fused[1]), torch.isinf(plain[1]))
+
+
 @pytest.mark.parametrize("act", ("softmax", "silu"))
 def test_random_ragged_batches(act):
     """Fresh random length mixes (log-normal, with zeros), self and cross."""
@@ -90,7 +129,7 @@ def test_random_ragged_batches(act):
         if trial % 2:
             lk = torch.exp(torch.randn(b, generator=g) * 1.2 + 1.5).long().clamp(max=70).tolist()
         band = BANDS[trial % len(BANDS)]
-        _compare(lq.tolist(), lk, act, band, torch.float64, seed=trial)
+        _compare(lq.tolist(), lk, act, band, torch.float64, seed=trial, dv=8 if trial % 3 else 5)
 
 
 def test_int32_offsets():

@@ -38,7 +38,16 @@ class _QKNorm(nn.Module):
                 norm.reset_parameters()
 
     def forward(self, q: Tensor, k: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return self.q(q).to(dtype), self.k(k).to(dtype)
+        # Normalised as [tokens * H, D] rows: on the CPU the 3-D (strided: q and k are views of one
+        # projection) form runs ~1.5x slower, the same arithmetic.
+        return self._norm(self.q, q, dtype), self._norm(self.k, k, dtype)
+
+    @staticmethod
+    def _norm(norm: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
+        if isinstance(norm, nn.Identity):
+            return x.to(dtype)
+        out: Tensor = norm(x.reshape(-1, x.shape[-1])).view(x.shape)
+        return out.to(dtype)
 
 
 class SequenceSelfAttention(nn.Module):

