@@ -126,6 +126,8 @@ def test_history_crosses_train_through_the_loop(tmp_path, small_config):
     assert crosses is not None and crosses.proj.in_features == 6
     result = trainer.fit()
     assert result.status == "completed" and result.final_eval is not None
+    off, ds = _setup('model.overrides.cross_item_feature=""')  # TOML has no null: "" is None
+    assert not build_gem_config(off.model, ds.spec).has_crosses
     bad, _ = _setup('model.overrides.cross_item_feature="ad_category"')
     with pytest.raises(ConfigError, match=r"model\.overrides: GemConfig\.cross_item_feature 'ad_category'"):
         build_gem_config(bad.model, SyntheticAds(bad.data.synthetic, 0).spec)
