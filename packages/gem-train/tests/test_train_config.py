@@ -46,7 +46,8 @@ def test_overrides_typed_and_dotted():
     assert cfg.train.steps == 7
     assert cfg.optim.lr == 3e-4
     assert cfg.data.synthetic.history_dist == "zipf"
-    assert cfg.model.overrides == {"d_model": 16}
+    # Added to the shipped overrides (tiny-cpu turns on the candidate x history crosses).
+    assert cfg.model.overrides == {"cross_item_feature": "ad_id", "cross_like_action": 1, "d_model": 16}
     # An int where a float is expected is accepted and converted.
     assert load_config("tiny-cpu", ["optim.lr=1"]).optim.lr == 1.0
 

@@ -40,6 +40,21 @@ def test_batches_are_valid_and_deterministic():
     assert bool((hist.timestamps < a.batch.request_time.repeat_interleave(hist.lengths)).all())
 
 
+def test_history_categories_are_the_items_categories_and_change_nothing_else():
+    import dataclasses
+
+    ds = SyntheticAds(CFG, seed=3)
+    on = SyntheticAds(dataclasses.replace(CFG, history_categories=True), seed=3)
+    assert on.spec.sequences[0].num_event_features == CFG.num_categories
+    a, b = ds.make_batch("train", 2, 64).batch, on.make_batch("train", 2, 64).batch
+    b.validate(on.spec)
+    assert _same(a, b) and a.sequences["history"].event_features is None
+    hist = b.sequences["history"]
+    rows = hist.event_features
+    assert rows is not None and torch.equal(rows.sum(1), torch.ones(hist.total))
+    assert rows.argmax(1).tolist() == on.item_category[hist.item_ids.numpy()].tolist()
+
+
 @pytest.mark.parametrize("dist", ["lognormal", "zipf"])
 def test_heavy_tailed_history_and_zipf_popularity(dist):
     cfg = SyntheticConfig(**{**CFG.__dict__, "history_dist": dist, "max_len": 10_000})

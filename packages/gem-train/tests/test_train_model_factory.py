@@ -110,3 +110,24 @@ def test_target_attention_and_history_objective_train_through_the_loop(tmp_path,
     result = trainer.fit()
     assert result.status == "completed" and result.final_eval is not None
     assert set(result.final_eval.tasks) == {"ctr", "cvr"}
+
+
+def test_history_crosses_train_through_the_loop(tmp_path, small_config):
+    """The crosses option reaches the model from the TOML overrides (a bad feature name is a ConfigError), and
+    a run with it trains and evaluates."""
+    from gem_train.loop.trainer import Trainer
+
+    on = ('model.overrides.cross_item_feature="ad_id"', "model.overrides.cross_like_action=1")
+    cfg = small_config(tmp_path, *on, "train.steps=2", "checkpoint.every=0")
+    gc = build_gem_config(cfg.model, SyntheticAds(cfg.data.synthetic, 0).spec)
+    assert gc.has_crosses and gc.cross_item_feature == "ad_id" and gc.cross_attribute_feature is None
+    trainer = Trainer(cfg)
+    crosses = trainer.built_run.model.input.crosses
+    assert crosses is not None and crosses.proj.in_features == 6
+    result = trainer.fit()
+    assert result.status == "completed" and result.final_eval is not None
+    off, ds = _setup('model.overrides.cross_item_feature=""')  # TOML has no null: "" is None
+    assert not build_gem_config(off.model, ds.spec).has_crosses
+    bad, _ = _setup('model.overrides.cross_item_feature="ad_category"')
+    with pytest.raises(ConfigError, match=r"model\.overrides: GemConfig\.cross_item_feature 'ad_category'"):
+        build_gem_config(bad.model, SyntheticAds(bad.data.synthetic, 0).spec)

@@ -326,3 +326,40 @@ def test_history_genres_off_gives_the_plain_history(tmp_path):
     # Every other feature is the same with or without the history's genres.
     for x, y in zip(_features(a)[:-1], _features(b)[:-1], strict=True):
         assert torch.equal(x, y)
+
+
+def test_history_crosses_on_movielens_count_the_earlier_events_of_the_movie_and_its_genres(tmp_path):
+    """``cross_item_feature = "ad_id"``, ``cross_attribute_feature = "ad_genres"`` on a MovieLens batch: the
+    item group counts the user's earlier ratings of the candidate movie, the genre group the genres they
+    share with it (an event counts once per shared genre), both within the history window."""
+    from gem_model.crosses import history_cross_stats
+    from gem_train.config import load_config
+    from gem_train.loop.model import build_gem_config
+
+    rows = [f"1\t{1 + k % 3}\t{1 + k % 5}\t{10 * k}\n" for k in range(9)]
+    _write(tmp_path, rows)
+    ev = read_movielens_100k(tmp_path)
+    ds = MovieLens100K(MovieLensConfig(max_len=6), events=ev)
+    overrides = [
+        'model.overrides.cross_item_feature="ad_id"',
+        'model.overrides.cross_attribute_feature="ad_genres"',
+        "model.overrides.cross_like_action=4",
+    ]
+    gc = build_gem_config(load_config("movielens", overrides).model, ds.spec)
+    assert gc.cross_attribute_feature == "ad_genres" and gc.cross_like_action == 4
+    everything = np.arange(len(ev.user))
+    b = ds.make_batch(everything)
+    h = b.sequences["history"]
+    genres = b.sparse["ad_genres"]
+    hot = torch.zeros(len(everything), ev.num_genres)
+    hot[torch.repeat_interleave(torch.arange(len(everything)), genres.lengths()), genres.values()] = 1.0
+    stats = history_cross_stats(h.item_ids, h.action_ids, h.offsets, b.sparse["ad_id"].values(),
+                                like_action=4, num_actions=6, event_features=h.event_features,
+                                candidate_attributes=hot)  # fmt: skip
+    for r in everything:
+        same = np.flatnonzero((ev.user == ev.user[r]) & (ev.timestamp < ev.timestamp[r]))[-6:]
+        n_item = int((ev.item[same] == ev.item[r]).sum())
+        n_genre = sum(len(set(ev.item_genres[i]) & set(ev.item_genres[ev.item[r]])) for i in ev.item[same])
+        assert stats[r, 0].item() == pytest.approx(np.log1p(len(same)) / 4, abs=1e-6)
+        assert stats[r, 3].item() == pytest.approx(np.log1p(n_item) / 4, abs=1e-6), r
+        assert stats[r, 6].item() == pytest.approx(np.log1p(n_genre) / 4, abs=1e-6), r

@@ -65,6 +65,18 @@ class GemConfig:
             same target-aware attention, queried by each history event's item, predicts that event's
             action (cross-entropy over ``num_actions``) from the events strictly earlier in time; added
             to the loss by :func:`gem_model.multitask_loss` (0: off; needs ``target_item_feature``).
+
+    Candidate x history-aggregate crosses (:mod:`gem_model.crosses`; off by default, and then the model and
+    its checkpoint keys are what they were without these fields):
+        cross_item_feature: the sparse feature holding the candidate item's id in the first sequence's item
+            vocabulary (e.g. "ad_id"); None: off. When set, the counts and smoothed like rates and action
+            levels of the user's earlier events (all of them, those of the candidate's item and, with
+            ``cross_attribute_feature``, those sharing its attribute ids) make one more non-sequence token.
+        cross_attribute_feature: a sparse feature of the candidate whose ids index the columns of the first
+            sequence's event features (``num_embeddings == num_event_features``; MovieLens: "ad_genres"
+            against the history's genre rows); None: no attribute group. Needs ``cross_item_feature``.
+        cross_like_action: an earlier event is a "like" when its action id is ``>=`` this (MovieLens: 4, a
+            rating of 4 or 5, the label's rule; synthetic data: 1, a click or deeper).
     """
 
     features: FeatureSpec
@@ -98,6 +110,9 @@ class GemConfig:
     embedding_dropout: float = 0.0
     target_item_feature: str | None = None
     history_action_weight: float = 0.0
+    cross_item_feature: str | None = None
+    cross_attribute_feature: str | None = None
+    cross_like_action: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.features, FeatureSpec):
@@ -142,9 +157,54 @@ class GemConfig:
         if fm is not None and not (1 <= fm <= self.n_tokens):
             raise ValueError(f"GemConfig.wukong_fm_tokens must lie in [1, {self.n_tokens}], got {fm}")
         self._check_target()
+        self._check_crosses()
         object.__setattr__(self, "head_hidden", tuple(self.head_hidden))
         if any(h < 1 for h in self.head_hidden):
             raise ValueError(f"GemConfig.head_hidden must hold positive ints, got {self.head_hidden}")
+
+    def _check_item_feature(self, field: str, name: str) -> None:
+        """``name`` is a sparse feature of one id per example in the first sequence's item vocabulary."""
+        by_name = {f.name: f for f in self.features.sparse}
+        if name not in by_name:
+            raise ValueError(
+                f"GemConfig.{field} {name!r} is not a sparse feature of the spec "
+                f"({', '.join(by_name) or 'none'})"
+            )
+        feature, seq = by_name[name], self.features.sequences[0]
+        if feature.max_ids != 1 or feature.num_embeddings != seq.num_items:
+            raise ValueError(
+                f"GemConfig.{field} {name!r} must be one id per example in the item vocabulary "
+                f"of sequence {seq.name!r} ({seq.num_items} ids), got max_ids {feature.max_ids} and "
+                f"{feature.num_embeddings} ids"
+            )
+
+    def _check_crosses(self) -> None:
+        like, seq = self.cross_like_action, self.features.sequences[0]
+        if not isinstance(like, int) or isinstance(like, bool) or not 1 <= like < max(seq.num_actions, 2):
+            raise ValueError(
+                f"GemConfig.cross_like_action must be an int in [1, {seq.num_actions - 1}] (an action id of "
+                f"sequence {seq.name!r}, so both likes and others can occur), got {like!r}"
+            )
+        attr = self.cross_attribute_feature
+        if self.cross_item_feature is None:
+            if attr is not None:
+                raise ValueError("GemConfig.cross_attribute_feature needs cross_item_feature")
+            return
+        self._check_item_feature("cross_item_feature", self.cross_item_feature)
+        if attr is None:
+            return
+        by_name = {f.name: f for f in self.features.sparse}
+        if attr not in by_name:
+            raise ValueError(
+                f"GemConfig.cross_attribute_feature {attr!r} is not a sparse feature of the spec "
+                f"({', '.join(by_name) or 'none'})"
+            )
+        if seq.num_event_features == 0 or by_name[attr].num_embeddings != seq.num_event_features:
+            raise ValueError(
+                f"GemConfig.cross_attribute_feature {attr!r} must have one id per event-feature column of "
+                f"sequence {seq.name!r} ({seq.num_event_features} columns), got "
+                f"{by_name[attr].num_embeddings} ids"
+            )
 
     def _check_target(self) -> None:
         name, w = self.target_item_feature, self.history_action_weight
@@ -157,19 +217,7 @@ class GemConfig:
                     "reads the history through the target-aware attention)"
                 )
             return
-        by_name = {f.name: f for f in self.features.sparse}
-        if name not in by_name:
-            raise ValueError(
-                f"GemConfig.target_item_feature {name!r} is not a sparse feature of the spec "
-                f"({', '.join(by_name) or 'none'})"
-            )
-        feature, seq = by_name[name], self.features.sequences[0]
-        if feature.max_ids != 1 or feature.num_embeddings != seq.num_items:
-            raise ValueError(
-                f"GemConfig.target_item_feature {name!r} must be one id per example in the item vocabulary "
-                f"of sequence {seq.name!r} ({seq.num_items} ids), got max_ids {feature.max_ids} and "
-                f"{feature.num_embeddings} ids"
-            )
+        self._check_item_feature("target_item_feature", name)
 
     @property
     def has_target(self) -> bool:
@@ -177,9 +225,15 @@ class GemConfig:
         return self.target_item_feature is not None
 
     @property
+    def has_crosses(self) -> bool:
+        """Whether the candidate x history-aggregate crosses are on (``cross_item_feature`` set)."""
+        return self.cross_item_feature is not None
+
+    @property
     def n_tokens(self) -> int:
-        """Non-sequence tokens carried through the layers: dense tokens + one per sparse feature."""
-        return self.n_dense_tokens + len(self.features.sparse)
+        """Non-sequence tokens carried through the layers: dense tokens + one per sparse feature (+ the
+        crosses' token)."""
+        return self.n_dense_tokens + len(self.features.sparse) + int(self.has_crosses)
 
     @property
     def n_seq_summary_tokens(self) -> int:

@@ -19,6 +19,7 @@ import torch
 
 from gem_model.batch import GemBatch
 from gem_model.config import GemConfig
+from gem_model.crosses import n_cross_stats
 from gem_model.model import N_TIME_FEATURES, GemModel
 
 __all__ = ["attention_pairs", "flops", "flops_by_block", "model_summary", "parameter_counts"]
@@ -130,6 +131,8 @@ def flops_by_block(config: GemConfig, batch: GemBatch) -> dict[str, int]:
             led.mm("input", b * len(cfg.features.sparse), e, d)
         led.mm("input", total, e, d)
     led.mm("input", total, N_TIME_FEATURES, d, input_grad=False)
+    if cfg.has_crosses:  # the crosses' statistics (data, no grad) -> one token
+        led.mm("input", b, n_cross_stats(cfg), d, input_grad=False)
     for s, ls in zip(cfg.features.sequences, per_seq, strict=True):
         if s.num_event_features:  # event side features [n, F] x [F, E] (no grad to the input)
             led.mm("input", sum(ls), s.num_event_features, e, input_grad=False)

@@ -27,6 +27,7 @@ import gem_kernels
 from gem_model.attention import ContextCrossAttention, PoolingAttention, SequenceSelfAttention
 from gem_model.batch import GemBatch
 from gem_model.config import GemConfig
+from gem_model.crosses import HistoryCrosses
 from gem_model.embeddings import GemEmbeddings
 from gem_model.interaction import NonSequenceSummary, SequenceSummary, WukongEnsemble, WukongLayer
 from gem_model.layers import RMSNorm, SwiGLU, init_linear
@@ -95,6 +96,8 @@ class InputEncoder(nn.Module):
                 if s.num_event_features
             }
         )
+        # Candidate x history-aggregate crosses (GemConfig.cross_item_feature): one more token, last.
+        self.crosses = HistoryCrosses(config, device=device) if config.has_crosses else None
         n_seq = len(config.features.sequences)
         self.seq_type = nn.Parameter(torch.empty(n_seq, d, device=device)) if n_seq > 1 else None
         self.token_norm = nn.LayerNorm(d, eps=config.norm_eps, device=device)
@@ -112,6 +115,8 @@ class InputEncoder(nn.Module):
             # std 1/sqrt(E) per weight, as an embedding row (GemEmbeddings): a genre column then
             # contributes what one id of a sum-pooled bag would.
             init_linear(cast(nn.Linear, proj), std=1.0 / math.sqrt(self.config.embedding_dim))
+        if self.crosses is not None:
+            self.crosses.reset_parameters()
         if self.seq_type is not None:
             nn.init.trunc_normal_(self.seq_type, std=0.02)
         self.token_norm.reset_parameters()
@@ -128,6 +133,8 @@ class InputEncoder(nn.Module):
             parts.append(self.dense(batch.dense).view(b, self.config.n_dense_tokens, d))
         if pooled is not None:
             parts.append(self.sparse_proj(pooled) if self.sparse_proj is not None else pooled)
+        if self.crosses is not None:
+            parts.append(self.crosses(batch))
         dtype = parts[0].dtype
         return self.dropout(self.token_norm(torch.cat([p.to(dtype) for p in parts], dim=1)))
 

@@ -51,6 +51,9 @@ class SyntheticConfig:
     # The seed of the hidden world and of every stream; -1: run.seed. Fix it to train several model seeds
     # (run.seed) on the same data, e.g. students of one teacher.
     seed: int = -1
+    # Each history event carries its item's category as a one-hot row (JaggedSequence.event_features, width
+    # num_categories), as a log with item attributes would; false: item, action and time only (as before).
+    history_categories: bool = False
 
     def validate(self, key: str = "data.synthetic") -> None:
         for name in (
@@ -76,6 +79,8 @@ class SyntheticConfig:
         _real(f"{key}.base_cvr_logit", self.base_cvr_logit, -50.0, 50.0)
         _real(f"{key}.drift", self.drift, 0.0, 10.0)
         _int_in(f"{key}.seed", self.seed, -1, 2**32 - 1)
+        if not isinstance(self.history_categories, bool):
+            raise ConfigError(f"{key}.history_categories must be a bool, got {self.history_categories!r}")
 
 
 @dataclass

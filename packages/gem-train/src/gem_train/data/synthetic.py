@@ -12,7 +12,8 @@ often: Zipf popularity), a candidate ad, dense features, and labels drawn from a
                 (P(conversion | click))
 
 The model sees ids (user, ad, category, advertiser, segment, declared interests), noisy dense views of some
-latents, and the history; the latents themselves stay hidden. ``true_probs`` of each batch are the Bayes
+latents, and the history (with ``history_categories``, each event's item category as a one-hot
+``event_features`` row); the latents themselves stay hidden. ``true_probs`` of each batch are the Bayes
 predictions, so the NE of the ground truth on the evaluation split is the floor a model can reach
 (:func:`ground_truth_ne`).
 
@@ -176,7 +177,15 @@ class SyntheticAds:
                 SparseFeature("ad_category", cfg.num_categories),
                 SparseFeature("ad_advertiser", cfg.num_advertisers),
             ),
-            sequences=(SequenceFeature("history", cfg.num_items, cfg.num_actions, cfg.max_len),),
+            sequences=(
+                SequenceFeature(
+                    "history",
+                    cfg.num_items,
+                    cfg.num_actions,
+                    cfg.max_len,
+                    num_event_features=cfg.num_categories if cfg.history_categories else 0,
+                ),
+            ),
             tasks=("ctr", "cvr"),
         )
         self._build_world()
@@ -404,6 +413,10 @@ class SyntheticAds:
             item_ids=t(hist_items.astype(np.int64)),
             action_ids=t(hist_actions.astype(np.int64)),
             timestamps=t(hist_ts.astype(np.int64)),
+            # data.synthetic.history_categories: each event's item category, one-hot (no random draw).
+            event_features=t(np.eye(c.num_categories, dtype=np.float32)[self.item_category[hist_items]])
+            if c.history_categories
+            else None,
         )
         labels = np.stack([click, conv], axis=1).astype(np.float32)
         mask = np.stack([np.ones(b, bool), click], axis=1)  # conversions are observed after clicks only

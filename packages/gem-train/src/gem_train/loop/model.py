@@ -2,7 +2,8 @@
 
 ``[model.overrides]`` keys are checked here against ``gem_model.GemConfig``'s fields (the field set belongs to
 gem-model): an unknown field or a value of the wrong type is a :class:`~gem_train.config.ConfigError` naming
-``model.overrides.<field>``.
+``model.overrides.<field>``. TOML has no null: ``""`` sets a field that may be None to None (e.g.
+``model.overrides.cross_item_feature=""`` turns the crosses of the ``tiny-cpu`` config off).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def build_gem_config(section: ModelSection, spec: FeatureSpec) -> GemConfig:
         dotted = f"model.overrides.{key}"
         if key not in fields:
             raise ConfigError(f"unknown config key '{dotted}' (GemConfig fields: {', '.join(fields)})")
+        if value == "" and type(None) in typing.get_args(hints[key]):
+            value = None  # TOML has no null: "" turns an optional field off (cross_item_feature = "")
         kwargs[key] = check_value(value, hints[key], dotted)
     try:
         return dataclasses.replace(base, **kwargs)

@@ -184,6 +184,12 @@ def export_synthetic(cfg: TrainConfig, out: str | Path, train_examples: int) -> 
     """
     from gem_train.data.synthetic import SyntheticAds
 
+    if cfg.data.synthetic.history_categories:
+        # As for MovieLens' genres: the Parquet schema has no per-event feature columns yet.
+        raise ValueError(
+            "export synthetic: the Parquet format cannot carry the history's categories "
+            "(JaggedSequence.event_features); export with data.synthetic.history_categories=false"
+        )
     ds = SyntheticAds(cfg.data.synthetic, seed=cfg.run.seed)
     b, eb = cfg.data.batch_size, cfg.data.eval_batch_size
     n_train = -(-train_examples // b)
