@@ -234,20 +234,21 @@ def _flash_softmax(
     if grp.left < 0 and grp.right == 0 and grp.lq == grp.lk and torch.equal(grp.q_len, grp.k_len):
         out, lse = _FLASH_CPU(qb, kb, vb, is_causal=True, scale=qk_scale)
         return out, lse.float()
+    excess = int((grp.q_len - grp.k_len).max())  # the most queries a sequence has beyond its keys
     visible = grp.band()  # [Lq, Lk] or None
-    reach_past = grp.right < 0 or int((grp.q_len - grp.k_len).max()) + grp.right > 0
+    reach_past = grp.right < 0 or excess + grp.right > 0
     if reach_past and not bool((grp.k_len == grp.lk).all()):
         k_valid = (torch.arange(grp.lk)[None, :] < grp.k_len[:, None])[:, None, :]  # [G, 1, Lk]
         visible = k_valid if visible is None else visible[None] & k_valid
-    if visible is None:  # every key visible to every query
-        out, lse = _FLASH_CPU(qb, kb, vb, scale=qk_scale)
-        return out, lse.float()
-    while visible.dim() < 3:
-        visible = visible[None]
-    mask = torch.zeros(visible.shape, dtype=qb.dtype).masked_fill_(~visible, float("-inf"))
-    out, lse = _FLASH_CPU(qb, kb, vb, attn_mask=mask[:, None].to(qb.device), scale=qk_scale)
+    mask = None  # None: every key visible to every query
+    if visible is not None:
+        while visible.dim() < 3:
+            visible = visible[None]
+        mask = torch.zeros(visible.shape, dtype=qb.dtype).masked_fill_(~visible, float("-inf"))
+        mask = mask[:, None].to(qb.device)
+    out, lse = _FLASH_CPU(qb, kb, vb, attn_mask=mask, scale=qk_scale)
     lse = lse.float()
-    if grp.left >= 0 and int((grp.q_len - grp.k_len).max()) > grp.left:
+    if visible is not None and grp.left >= 0 and excess > grp.left:
         no_key = ~visible.any(dim=-1)  # [G or 1, Lq]; padded query rows too, whose values are discarded
         lse = lse.masked_fill(no_key[:, None].to(lse.device), float("-inf"))
     return out, lse
