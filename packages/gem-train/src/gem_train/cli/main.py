@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from gem_train.cli.launch import COMMANDS as LAUNCHED_COMMANDS
+from gem_train.cli.stderr import say
 from gem_train.configs import SHIPPED_CONFIGS
 from gem_train.data.split import HELD_OUT, HeldOutSplit
 
@@ -396,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             print(dumps_toml(config_to_dict(load_config(args.config, args.overrides))), end="")
             return 0
     except ConfigError as e:
-        print(f"gem-train: config error: {e}", file=sys.stderr)
+        say(f"gem-train: config error: {e}")
         return 2
     except (
         NonFiniteLossError,
@@ -408,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         TransferDataError,
         OSError,  # a missing or unreadable file (FileNotFoundError, PermissionError, ...)
     ) as e:
-        print(f"gem-train: error: {e}", file=sys.stderr)
+        say(f"gem-train: error: {e}")
         return 1
     except RuntimeError as e:
         if not _collective_failure(e):
@@ -416,22 +417,20 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        print(
+        say(
             f"gem-train: error: rank {rank}: a collective failed ({type(e).__name__}: "
             f"{str(e).strip().splitlines()[0][:300]}): another rank died or did not answer within the "
             "collective timeout (parallel.timeout_s); the newest complete checkpoint of the run resumes "
-            "with --resume",
-            file=sys.stderr,
+            "with --resume"
         )
         return 1
     except KeyboardInterrupt as e:  # a second signal (StopNow), or Ctrl-C outside the training loop
         import signal
 
         signum = e.signum if isinstance(e, StopNow) else signal.SIGINT
-        print(
+        say(
             f"gem-train: {signal.Signals(signum).name}: stopped at once, without a new checkpoint (the "
-            "newest complete one, if any, resumes with --resume)",
-            file=sys.stderr,
+            "newest complete one, if any, resumes with --resume)"
         )
         return 128 + int(signum)
     finally:
