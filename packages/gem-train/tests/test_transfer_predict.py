@@ -115,6 +115,32 @@ def test_a_crash_leaves_no_whole_looking_shard_and_a_rerun_finishes_only_the_res
     assert again.predicted_rows == 0 and again.rows == {"test": 75}
 
 
+@pytest.mark.parametrize(
+    ("num_batches", "shards", "batches_per_shard"),
+    [(64, 16, 4), (1000, 16, 63), (5000, 79, 64), (3, 3, 1)],
+)
+def test_a_split_is_cut_into_at_least_16_shards_whatever_the_world_size(
+    tmp_path, num_batches, shards, batches_per_shard
+):
+    """Shards are the ranks' unit of work: a 65,536-row split in one 65,536-row shard left the second rank
+    of a torchrun idle. The layout depends on the split alone (reruns under another world size match)."""
+    from types import SimpleNamespace
+
+    from gem_train.transfer.predict import _plan_shards
+
+    plan = SimpleNamespace(batch_size=1024, num_batches=num_batches)
+    layouts = {}
+    for world in (1, 2, 3):
+        mine = [_plan_shards(tmp_path, {"test": plan}, 65_536, {}, r, world)[0] for r in range(world)]
+        layouts[world] = sorted((s.index, s.lo, s.hi) for todo in mine for s in todo)
+        if world == 2:
+            assert [len(todo) for todo in mine] == [-(-shards // 2), shards // 2]
+    assert layouts[1] == layouts[2] == layouts[3]
+    assert len(layouts[1]) == shards
+    assert layouts[1][0][1:] == (0, batches_per_shard) and layouts[1][-1][2] == num_batches
+    assert all(hi - lo <= batches_per_shard for _, lo, hi in layouts[1])
+
+
 def test_a_shard_of_another_run_is_refused(ckpt, tmp_path):
     out = tmp_path / "p"
     run_predict(_cfg(tmp_path), ckpt, out, ("test",), progress=False)
