@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gem_kernels import gdpa, jagged_flash_attention
-from gem_kernels.attention import cpu, reference
+from gem_kernels.attention import cpu, cpu_sparse, reference
 from gem_kernels.attention.activations import GDPA_ACTIVATIONS
 
 ACTS = ("softmax", *GDPA_ACTIVATIONS)
@@ -91,6 +91,69 @@ def _count_flash(monkeypatch) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+@pytest.mark.parametrize("band", BANDS, ids=lambda b: f"l{b[0]}r{b[1]}")
+@pytest.mark.parametrize("act", ACTS)
+def test_sparse_forward_matches_oracle(monkeypatch, act, band, dtype):
+    """The CSR forward (:mod:`gem_kernels.attention.cpu_sparse`) taking every call, long sides included:
+    values and LSE (``-inf`` where a valid query sees no key) against the oracle, every band and
+    activation."""
+    monkeypatch.setattr(cpu_sparse, "SHORT_SIDE", 10**9)
+    calls = _count_groups(monkeypatch)
+    for i, (lq, lk) in enumerate(CASES):
+        q, k, v, _, qo, ko = _inputs(lq, lk, dtype, seed=9000 + 10 * BANDS.index(band) + i)
+        args = (q, k, v, qo, ko, act, *band, 0.37, 0.61)
+        out, lse = cpu.attention_fwd(*args)
+        out_ref, lse_ref = reference.attention_fwd(*args)
+        assert out.dtype == dtype and out.shape == out_ref.shape and out.is_contiguous()
+        assert _rel(out, out_ref) < TOL[dtype], _rel(out, out_ref)
+        assert lse.dtype == torch.float32 and lse.shape == lse_ref.shape
+        assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+        finite = torch.isfinite(lse_ref)
+        torch.testing.assert_close(lse[finite], lse_ref[finite], rtol=1e-6, atol=1e-6)
+    assert calls == []  # no padded group was formed
+
+
+@pytest.mark.parametrize("act", ("softmax", "silu"))
+def test_sparse_forward_random_ragged_batches(monkeypatch, act):
+    """Fresh random length mixes (log-normal, with zeros), self and cross, all through the CSR forward."""
+    monkeypatch.setattr(cpu_sparse, "SHORT_SIDE", 10**9)
+    g = torch.Generator().manual_seed(2027)
+    for trial in range(6):
+        b = int(torch.randint(1, 40, (1,), generator=g))
+        lq = torch.exp(torch.randn(b, generator=g) * 1.2 + 1.5).long().clamp(max=70)
+        lq[torch.rand(b, generator=g) < 0.15] = 0
+        lk = None
+        if trial % 2:
+            lk = torch.exp(torch.randn(b, generator=g) * 1.2 + 1.5).long().clamp(max=70).tolist()
+        q, k, v, _, qo, ko = _inputs(lq.tolist(), lk, torch.float64, seed=trial, dv=8 if trial % 3 else 5)
+        args = (q, k, v, qo, ko, act, *BANDS[trial % len(BANDS)], 0.37, 0.61)
+        out, lse = cpu.attention_fwd(*args)
+        out_ref, lse_ref = reference.attention_fwd(*args)
+        assert _rel(out, out_ref) < TOL[torch.float64]
+        finite = torch.isfinite(lse_ref)
+        assert torch.equal(finite, torch.isfinite(lse))
+        torch.testing.assert_close(lse[finite], lse_ref[finite], rtol=1e-6, atol=1e-6)
+
+
+def test_short_sides_take_the_sparse_forward(monkeypatch):
+    """PMA-like (2 queries a sequence) and context cross-attention (6 keys) calls take the CSR forward;
+    self-attention over longer histories keeps the padded groups."""
+    taken: list[tuple[int, int]] = []
+    real = cpu_sparse.attention_fwd
+
+    def counting(q, k, *args, **kwargs):
+        taken.append((q.shape[0], k.shape[0]))
+        return real(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_sparse, "attention_fwd", counting)
+    lengths = [0, 1, 9, 30, 17]
+    for lq, lk in (([2] * 5, lengths), (lengths, [6] * 5), (lengths, None)):
+        q, k, v, _, qo, ko = _inputs(lq, lk, torch.float32, seed=1)
+        cpu.attention_fwd(q, k, v, qo, ko, "softmax", -1, -1, 0.3, 1.0)
+    assert taken == [(10, 57), (57, 30)]
+
+
 @pytest.mark.skipif(cpu._FLASH_CPU is None, reason="this torch has no fused CPU flash-attention kernel")
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
 @pytest.mark.parametrize("band", BANDS, ids=lambda b: f"l{b[0]}r{b[1]}")
@@ -145,6 +208,7 @@ def test_int32_offsets():
 
 def test_split_by_score_budget(monkeypatch):
     """A bucket larger than the score budget is split into chunks, with the same results."""
+    monkeypatch.setattr(cpu_sparse, "SHORT_SIDE", 0)  # the padded path, whatever the lengths
     monkeypatch.setattr(cpu, "SCORE_BUDGET", 300)
     calls = _count_groups(monkeypatch)
     _compare([8, 8, 8, 8, 1, 8, 8, 8, 8], None, "softmax", (-1, 0), torch.float64, seed=3)
@@ -212,6 +276,7 @@ def test_iterations_do_not_grow_with_batch(monkeypatch, cross):
 
 
 def test_public_ops_use_vectorized_path(monkeypatch):
+    monkeypatch.setattr(cpu_sparse, "SHORT_SIDE", 0)  # the padded path, whatever the lengths
     calls = _count_groups(monkeypatch)
 
     def forbidden(*args, **kwargs):

@@ -23,6 +23,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
+from gem_kernels.attention import cpu_sparse
 from gem_kernels.attention.activations import act_grad, act_value
 from gem_kernels.attention.reference import SOFTMAX, compute_dtype
 
@@ -332,12 +333,16 @@ def attention_fwd(
     """
     cdt = compute_dtype(q)
     softmax = activation == SOFTMAX
+    q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
+    if q.device.type == "cpu" and lq.numel() and cpu_sparse.applies(int(lq.max()), int(lk.max())):
+        return cpu_sparse.attention_fwd(
+            q, k, v, q_offsets, kv_offsets, activation, left, right, qk_scale, out_scale, cdt
+        )
     if softmax and _flash_applies(q, v):
         return _flash_fwd(q, k, v, q_offsets, kv_offsets, left, right, qk_scale)
     heads = q.shape[1]
     out = torch.zeros(heads, q.shape[0] + 1, v.shape[2], dtype=cdt, device=q.device)
     lse = torch.full((heads, q.shape[0] + 1), float("-inf"), dtype=torch.float32, device=q.device)
-    q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
     major: list[torch.Tensor] = []  # q, k, v head-major: converted once, only when some sequence attends
     for members in _buckets(lq, lk, heads):
         if not major:

@@ -1,0 +1,119 @@
+"""Jagged attention forward on the CPU as sparse matrix products over the visible (query, key) pairs.
+
+Where one side of every sequence is short (PMA's few queries over a history, a history's cross-attention to a
+few context keys), the padded groups of :mod:`gem_kernels.attention.cpu` spend their time gathering, padding
+and scattering rows, not on arithmetic. Here the visible pairs of all sequences form one CSR pattern
+``[total_q, total_kv]`` (row ``n``: the keys query ``n`` sees), and per head
+
+- the scores are ``torch.sparse.sampled_addmm`` (``q_h k_h^T`` at the pattern only),
+- softmax: row max and row sum by ``torch.segment_reduce`` over each row's run of values (the CSR values of a
+  row are contiguous), ``exp`` in place; GDPA: the activation of the values,
+- the output is the CSR matrix times ``v_h``.
+
+No padding, no gather of q, k or v and no scatter: the work is proportional to the visible pairs. ~2-3x
+the padded path at the tiny model's PMA and context cross-attention (B=1024, H=2, D=16, 1 thread;
+gem-kernels BENCHMARKS.md). Same contract as :func:`gem_kernels.attention.cpu.attention_fwd`; compute in
+fp32 (fp64 for fp64 inputs), the LSE fp32.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from gem_kernels.attention.activations import act_value
+
+# The CSR path runs when the shorter side of the call (the longest query or the longest key run, whichever is
+# smaller) is at most this: PMA (2 queries) and context cross-attention (6 keys) at the tiny model's shapes.
+# Self-attention over histories (both sides ~64) stays on the padded fused kernel, which was as fast or faster
+# there (13.1 ms padded vs 11.6 + 4.0 ms for the pattern, full causal, B=1024).
+SHORT_SIDE = 8
+
+
+def applies(max_q_len: int, max_kv_len: int) -> bool:
+    """Whether a call of these longest lengths takes the CSR path."""
+    return 0 < min(max_q_len, max_kv_len) <= SHORT_SIDE
+
+
+def pattern(
+    q_offsets: torch.Tensor, kv_offsets: torch.Tensor, left: int, right: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The visible pairs as CSR: ``crow`` ``[total_q + 1]``, ``col`` ``[nnz]`` and each row's count
+    ``[total_q]`` (int64 CPU).
+
+    Query ``i`` of a sequence sees its keys ``j`` with ``j >= i - left`` (``left >= 0``) and
+    ``j <= i + right`` (``right >= 0``), positions counted from each sequence's start (the oracle's band),
+    and ``j < Lk``."""
+    qo = q_offsets.detach().to("cpu", torch.int64)
+    ko = kv_offsets.detach().to("cpu", torch.int64)
+    lq, lk = qo[1:] - qo[:-1], ko[1:] - ko[:-1]
+    total_q = int(qo[-1] - qo[0])
+    seq = torch.repeat_interleave(torch.arange(lq.numel()), lq, output_size=total_q)  # each query's sequence
+    pos = torch.arange(total_q) - (qo[:-1] - qo[0])[seq]  # its position in the sequence
+    n_keys = lk[seq]
+    lo = (pos - left).clamp_(min=0) if left >= 0 else torch.zeros_like(pos)
+    hi = torch.minimum(pos + right, n_keys - 1) if right >= 0 else n_keys - 1  # inclusive
+    count = (hi - lo + 1).clamp_(min=0)
+    crow = torch.zeros(total_q + 1, dtype=torch.int64)
+    torch.cumsum(count, 0, out=crow[1:])
+    nnz = int(crow[-1])
+    row = torch.repeat_interleave(torch.arange(total_q), count, output_size=nnz)
+    # key = the sequence's first key + the row's first visible key + the offset within the row
+    first = (ko[:-1] - ko[0])[seq] + lo - crow[:-1]
+    col = first[row] + torch.arange(nnz)
+    return crow, col, count
+
+
+def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": the three ops used here are not
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, size=size, check_invariants=False)
+
+
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    activation: str,
+    left: int,
+    right: int,
+    qk_scale: float,
+    out_scale: float,
+    cdt: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of :func:`gem_kernels.attention.cpu.attention_fwd` (same arguments and results) over the
+    CSR pattern of the visible pairs; ``cdt`` is the compute dtype (fp32, or fp64 for fp64 inputs).
+
+    Shapes: q ``[total_q, H, D]``, k ``[total_kv, H, D]``, v ``[total_kv, H, Dv]``. Returns ``out``
+    ``[total_q, H, Dv]`` in q's dtype and, for softmax, the LSE ``[total_q, H]`` fp32 (``-inf`` for a row
+    that sees no key, whose output is 0); for GDPA an empty fp32 tensor."""
+    softmax = activation == "softmax"
+    total_q, heads = q.shape[0], q.shape[1]
+    total_kv, dv = k.shape[0], v.shape[2]
+    crow, col, count = pattern(q_offsets, kv_offsets, left, right)
+    out = torch.empty(total_q, heads, dv, dtype=cdt)
+    lse = torch.full((total_q, heads), float("-inf"), dtype=torch.float32) if softmax else torch.empty(0)
+    if col.numel() == 0:
+        return out.zero_().to(q.dtype), lse
+    qc, kc, vc = (t.to(cdt) for t in (q, k, v))
+    zeros = torch.zeros(col.numel(), dtype=cdt)
+    row = torch.repeat_interleave(torch.arange(total_q), count, output_size=col.numel()) if softmax else None
+    for h in range(heads):
+        scores = _csr(crow, col, zeros, (total_q, total_kv))
+        s = torch.sparse.sampled_addmm(scores, qc[:, h], kc[:, h].t(), beta=0.0, alpha=qk_scale).values()
+        if softmax:
+            assert row is not None
+            m = torch.segment_reduce(s, "max", lengths=count, unsafe=True)  # -inf for an empty row
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            e = s.sub_(m.index_select(0, row)).exp_()
+            denom = torch.segment_reduce(e, "sum", lengths=count, unsafe=True)  # 0 for an empty row
+            lse[:, h] = m + torch.log(denom)
+            weights, scale = e, torch.where(denom > 0, denom, torch.ones_like(denom)).reciprocal_()[:, None]
+        else:
+            weights, scale = act_value(activation, s), None
+        o = _csr(crow, col, weights, (total_q, total_kv)) @ vc[:, h]  # [total_q, Dv]; 0 for an empty row
+        out[:, h] = o.mul_(scale) if scale is not None else o.mul_(out_scale)
+    return out.to(q.dtype), lse
