@@ -17,6 +17,7 @@ import torch
 from gem_kernels import gdpa, jagged_flash_attention
 from gem_kernels.attention import cpu, cpu_sparse, reference
 from gem_kernels.attention.activations import GDPA_ACTIVATIONS
+from gem_kernels.memo import ValueMemo
 
 ACTS = ("softmax", *GDPA_ACTIVATIONS)
 # (left, right): none, causal, window, causal + window.
@@ -244,7 +245,9 @@ def test_autocast_does_not_lower_the_compute_precision(act):
 
 
 def _count_groups(monkeypatch) -> list[int]:
-    """Patch :func:`cpu._group` (called once per Python-level iteration) to record each group's size."""
+    """Patch :func:`cpu._group` (called once per Python-level iteration) to record each group's size; the
+    plans are not memoised meanwhile (a second call over the same offsets would reuse the first's groups)."""
+    monkeypatch.setattr(cpu, "_PLANS", ValueMemo(0))
     calls: list[int] = []
     real = cpu._group
 

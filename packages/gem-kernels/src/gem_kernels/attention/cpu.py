@@ -16,6 +16,7 @@ Compute is fp32 (fp64 for fp64 inputs); outputs take the input dtypes, the LSE i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import torch
 from gem_kernels.attention import cpu_sparse
 from gem_kernels.attention.activations import act_grad, act_value
 from gem_kernels.attention.reference import SOFTMAX, compute_dtype
+from gem_kernels.memo import ValueMemo
 
 # Largest G * H * Lq_max * Lk_max of one group's score tensor (2**26 fp32 elements = 256 MiB); several
 # such temporaries live at once in the backward, so this bounds its peak memory to about 1 GiB. A single
@@ -160,6 +162,34 @@ def _group(
     )
 
 
+# A GEM forward runs two self-attention layers over one history (and training their backwards): their
+# groups are the same; only the band differs, which the groups carry as two ints.
+_PLANS: ValueMemo[list[_Group]] = ValueMemo(4)
+
+
+def _groups(
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    heads: int,
+    pad_q: int,
+    pad_k: int,
+    left: int,
+    right: int,
+    device: torch.device,
+) -> list[_Group]:
+    """The padded groups of a call (:func:`_buckets`, :func:`_group`), memoised by value of the offsets."""
+    q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
+
+    def make() -> list[_Group]:
+        return [
+            _group(members, q_start, k_start, lq, lk, pad_q, pad_k, -1, -1, device)
+            for members in _buckets(lq, lk, heads)
+        ]
+
+    key = (q_start, k_start, lq, lk, heads, pad_q, pad_k, SCORE_BUDGET, str(device))
+    return [dataclasses.replace(g, left=left, right=right) for g in _PLANS.get(key, make)]
+
+
 def _head_major(flat: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """``flat`` ``[N, H, D]`` -> ``[H, N + 1, D]`` in ``cdt``, the last row 0 (the target of padding indices).
 
@@ -280,13 +310,11 @@ def _flash_fwd(
     heads, dv = q.shape[1], v.shape[2]
     out = torch.zeros(q.shape[0] + 1, heads, dv, dtype=cdt, device=q.device)
     lse = torch.full((q.shape[0] + 1, heads), float("-inf"), dtype=torch.float32, device=q.device)
-    q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
     padded: list[torch.Tensor] = []  # converted once, only when some sequence attends
-    for members in _buckets(lq, lk, heads):
+    for grp in _groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
         if not padded:
             padded = [_token_major(t, cdt) for t in (q, k, v)]
         qp, kp, vp = padded
-        grp = _group(members, q_start, k_start, lq, lk, q.shape[0], k.shape[0], left, right, q.device)
         qb = qp.index_select(0, grp.q_idx).view(grp.size, grp.lq, heads, -1).transpose(1, 2)
         kb = kp.index_select(0, grp.k_idx).view(grp.size, grp.lk, heads, -1).transpose(1, 2)
         vb = vp.index_select(0, grp.k_idx).view(grp.size, grp.lk, heads, -1).transpose(1, 2)
@@ -333,7 +361,7 @@ def attention_fwd(
     """
     cdt = compute_dtype(q)
     softmax = activation == SOFTMAX
-    q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
+    _, _, lq, lk = _segments(q_offsets, kv_offsets)
     if q.device.type == "cpu" and lq.numel() and cpu_sparse.applies(int(lq.max()), int(lk.max())):
         return cpu_sparse.attention_fwd(
             q, k, v, q_offsets, kv_offsets, activation, left, right, qk_scale, out_scale, cdt
@@ -344,11 +372,10 @@ def attention_fwd(
     out = torch.zeros(heads, q.shape[0] + 1, v.shape[2], dtype=cdt, device=q.device)
     lse = torch.full((heads, q.shape[0] + 1), float("-inf"), dtype=torch.float32, device=q.device)
     major: list[torch.Tensor] = []  # q, k, v head-major: converted once, only when some sequence attends
-    for members in _buckets(lq, lk, heads):
+    for grp in _groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
         if not major:
             major = [_head_major(t, cdt) for t in (q, k, v)]
         qp, kp, vp = major
-        grp = _group(members, q_start, k_start, lq, lk, q.shape[0], k.shape[0], left, right, q.device)
         qb = _gather(qp, grp.q_idx, grp.size)  # [H, G, Lq, D]
         kb, vb = _gather(kp, grp.k_idx, grp.size), _gather(vp, grp.k_idx, grp.size)  # [H, G, Lk, D/Dv]
         if softmax:
@@ -392,13 +419,11 @@ def attention_bwd(
     dq = torch.zeros(heads, q.shape[0] + 1, q.shape[2], dtype=cdt, device=q.device)
     dk = torch.zeros(heads, k.shape[0] + 1, k.shape[2], dtype=cdt, device=q.device)
     dv = torch.zeros(heads, v.shape[0] + 1, v.shape[2], dtype=cdt, device=q.device)
-    q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
     major: list[torch.Tensor] = []  # q, k, v, dout head-major, converted once as in attention_fwd
-    for members in _buckets(lq, lk, heads):
+    for grp in _groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
         if not major:
             major = [_head_major(t, cdt) for t in (q, k, v, dout)]
         qp, kp, vp, dop = major
-        grp = _group(members, q_start, k_start, lq, lk, q.shape[0], k.shape[0], left, right, q.device)
         qb, dob = _gather(qp, grp.q_idx, grp.size), _gather(dop, grp.q_idx, grp.size)  # [H, G, Lq, D/Dv]
         kb, vb = _gather(kp, grp.k_idx, grp.size), _gather(vp, grp.k_idx, grp.size)  # [H, G, Lk, D/Dv]
         s = (qb @ kb.transpose(-1, -2)).mul_(qk_scale)  # [H, G, Lq, Lk]

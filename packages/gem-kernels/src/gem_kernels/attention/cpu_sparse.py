@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from gem_kernels.attention.activations import act_value
+from gem_kernels.memo import ValueMemo
 
 # The CSR path runs when the shorter side of the call (the longest query or the longest key run, whichever is
 # smaller) is at most this: PMA (2 queries) and context cross-attention (6 keys) at the tiny model's shapes.
@@ -36,17 +37,25 @@ def applies(max_q_len: int, max_kv_len: int) -> bool:
     return 0 < min(max_q_len, max_kv_len) <= SHORT_SIDE
 
 
-def pattern(
-    q_offsets: torch.Tensor, kv_offsets: torch.Tensor, left: int, right: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The visible pairs as CSR: ``crow`` ``[total_q + 1]``, ``col`` ``[nnz]`` and each row's count
-    ``[total_q]`` (int64 CPU).
+Pattern = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# A GEM forward makes three PMA calls over one pair of offsets and two context cross-attention calls over
+# another: the pattern is built once for each (about 0.8 ms for the cross-attention at tiny's shapes).
+_PATTERNS: ValueMemo[Pattern] = ValueMemo(4)
+
+
+def pattern(q_offsets: torch.Tensor, kv_offsets: torch.Tensor, left: int, right: int) -> Pattern:
+    """The visible pairs as CSR: ``crow`` ``[total_q + 1]``, ``col`` ``[nnz]``, each row's count
+    ``[total_q]`` and each pair's row ``[nnz]`` (int64 CPU; memoised by value).
 
     Query ``i`` of a sequence sees its keys ``j`` with ``j >= i - left`` (``left >= 0``) and
     ``j <= i + right`` (``right >= 0``), positions counted from each sequence's start (the oracle's band),
     and ``j < Lk``."""
     qo = q_offsets.detach().to("cpu", torch.int64)
     ko = kv_offsets.detach().to("cpu", torch.int64)
+    return _PATTERNS.get((qo, ko, left, right), lambda: _build_pattern(qo, ko, left, right))
+
+
+def _build_pattern(qo: torch.Tensor, ko: torch.Tensor, left: int, right: int) -> Pattern:
     lq, lk = qo[1:] - qo[:-1], ko[1:] - ko[:-1]
     total_q = int(qo[-1] - qo[0])
     seq = torch.repeat_interleave(torch.arange(lq.numel()), lq, output_size=total_q)  # each query's sequence
@@ -62,7 +71,7 @@ def pattern(
     # key = the sequence's first key + the row's first visible key + the offset within the row
     first = (ko[:-1] - ko[0])[seq] + lo - crow[:-1]
     col = first[row] + torch.arange(nnz)
-    return crow, col, count
+    return crow, col, count, row
 
 
 def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -93,19 +102,17 @@ def attention_fwd(
     softmax = activation == "softmax"
     total_q, heads = q.shape[0], q.shape[1]
     total_kv, dv = k.shape[0], v.shape[2]
-    crow, col, count = pattern(q_offsets, kv_offsets, left, right)
+    crow, col, count, row = pattern(q_offsets, kv_offsets, left, right)
     out = torch.empty(total_q, heads, dv, dtype=cdt)
     lse = torch.full((total_q, heads), float("-inf"), dtype=torch.float32) if softmax else torch.empty(0)
     if col.numel() == 0:
         return out.zero_().to(q.dtype), lse
     qc, kc, vc = (t.to(cdt) for t in (q, k, v))
     zeros = torch.zeros(col.numel(), dtype=cdt)
-    row = torch.repeat_interleave(torch.arange(total_q), count, output_size=col.numel()) if softmax else None
     for h in range(heads):
         scores = _csr(crow, col, zeros, (total_q, total_kv))
         s = torch.sparse.sampled_addmm(scores, qc[:, h], kc[:, h].t(), beta=0.0, alpha=qk_scale).values()
         if softmax:
-            assert row is not None
             m = torch.segment_reduce(s, "max", lengths=count, unsafe=True)  # -inf for an empty row
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             e = s.sub_(m.index_select(0, row)).exp_()
