@@ -118,7 +118,9 @@ class WukongLayer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b = x.shape[0]
-        xty = torch.einsum("bnd,nk->bdk", x, self.fm_y)  # X^T Y: [B, d, k]
+        # Y^T X as one broadcast matmul ([k, n] @ [B, n, d]), then viewed transposed: the einsum
+        # "bnd,nk->bdk" copied X to [B * d, n] and ran a [B * d, n] x [n, k] GEMM: ~5x slower on the CPU.
+        xty = torch.matmul(self.fm_y.t(), x).transpose(1, 2)  # X^T Y: [B, d, k]
         z = torch.bmm(x, xty)  # X (X^T Y): [B, n_in, k], all pairwise interactions through rank k
         fm = self.fm_down(F.silu(self.fm_up(self.fm_norm(z.reshape(b, -1)))))
         parts = [fm.view(b, self.n_fm, self.d_model)]

@@ -1,0 +1,72 @@
+"""CPU forms of gem-model's layers against PyTorch's own: ``RMSNorm``'s three-pass CPU path and the Wukong
+FM block's ``Y^T X``.
+
+Tolerances: the RMSNorm path takes the mean square as the squared norm (one extra rounding of the
+accumulation dtype) and multiplies by the inverse in another order than PyTorch's composite, so the two
+differ by a few ulps of the dtype: fp64 < 1e-14 relative (eps 2.2e-16), fp32 < 2e-6 (eps 1.2e-7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gem_model.interaction import WukongLayer
+from gem_model.layers import RMSNorm
+
+TOL = {torch.float64: 1e-14, torch.float32: 2e-6}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+@pytest.mark.parametrize("shape", ((37, 16), (5, 3, 2, 8), (1, 32)))
+def test_rms_norm_cpu_matches_pytorch_values_and_gradients(dtype, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    base = torch.randn(*shape[:-1], 3 * shape[-1], generator=g, dtype=dtype) * 3
+    x = base[..., : shape[-1]].detach().requires_grad_()  # strided: a slice of a wider projection
+    norm = RMSNorm(shape[-1], eps=1e-5, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+    go = torch.randn(shape, generator=g, dtype=dtype)
+    out = norm(x)
+    ref = F.rms_norm(x, (shape[-1],), norm.weight, 1e-5)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert _rel(out, ref) < TOL[dtype]
+    got = torch.autograd.grad(out, (x, norm.weight), go)
+    want = torch.autograd.grad(ref, (x, norm.weight), go)
+    for a, b in zip(got, want, strict=True):
+        assert _rel(a, b) < 10 * TOL[dtype]
+    with torch.no_grad():  # the in-place form: the same values, bit for bit
+        assert torch.equal(norm(x), out.detach())
+    with torch.inference_mode():
+        assert torch.equal(norm(x), out.detach())
+
+
+def test_rms_norm_cpu_without_weight_and_default_eps():
+    x = torch.randn(9, 12, dtype=torch.float64)
+    norm = RMSNorm(12, elementwise_affine=False, dtype=torch.float64)
+    assert _rel(norm(x), F.rms_norm(x, (12,), None, None)) < 1e-14
+    zeros = torch.zeros(2, 12)
+    assert torch.equal(RMSNorm(12)(zeros), zeros)  # eps keeps the zero row finite
+
+
+def test_wukong_layer_matches_its_einsum_form():
+    """The layer's forward against the textbook form of its FM block (``X^T Y`` as an einsum)."""
+    g = torch.Generator().manual_seed(0)
+    layer = WukongLayer(n_in=7, n_out=5, n_fm=3, d_model=8, rank=4, hidden=16, eps=1e-5).double()
+    x = torch.randn(6, 7, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    b = x.shape[0]
+    z = torch.bmm(x, torch.einsum("bnd,nk->bdk", x, layer.fm_y))
+    fm = layer.fm_down(F.silu(layer.fm_up(layer.fm_norm(z.reshape(b, -1))))).view(b, 3, 8)
+    assert layer.lcb is not None
+    ref = layer.norm(torch.cat([fm, layer.lcb(x)], dim=1) + layer.residual(x))
+    out = layer(x)
+    assert _rel(out, ref) < 1e-14
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (x, layer.fm_y), go)
+    want = torch.autograd.grad(ref, (x, layer.fm_y), go)
+    for a, w in zip(got, want, strict=True):
+        assert _rel(a, w) < 1e-13
