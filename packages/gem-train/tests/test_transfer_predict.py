@@ -117,13 +117,14 @@ def test_a_crash_leaves_no_whole_looking_shard_and_a_rerun_finishes_only_the_res
 
 @pytest.mark.parametrize(
     ("num_batches", "shards", "batches_per_shard"),
-    [(64, 16, 4), (1000, 16, 63), (5000, 79, 64), (3, 3, 1)],
+    [(64, 8, 8), (1000, 16, 63), (5000, 79, 64), (3, 1, 8), (17, 3, 8)],
 )
-def test_a_split_is_cut_into_at_least_16_shards_whatever_the_world_size(
+def test_a_split_is_cut_into_16_shards_of_8192_rows_or_more_whatever_the_world_size(
     tmp_path, num_batches, shards, batches_per_shard
 ):
     """Shards are the ranks' unit of work: a 65,536-row split in one 65,536-row shard left the second rank
-    of a torchrun idle. The layout depends on the split alone (reruns under another world size match)."""
+    of a torchrun idle; shards of fewer than 8,192 rows would cost more in files than they share out.
+    The layout depends on the split alone (reruns under another world size match)."""
     from types import SimpleNamespace
 
     from gem_train.transfer.predict import _plan_shards
@@ -137,7 +138,7 @@ def test_a_split_is_cut_into_at_least_16_shards_whatever_the_world_size(
             assert [len(todo) for todo in mine] == [-(-shards // 2), shards // 2]
     assert layouts[1] == layouts[2] == layouts[3]
     assert len(layouts[1]) == shards
-    assert layouts[1][0][1:] == (0, batches_per_shard) and layouts[1][-1][2] == num_batches
+    assert layouts[1][0][1:] == (0, min(batches_per_shard, num_batches)) and layouts[1][-1][2] == num_batches
     assert all(hi - lo <= batches_per_shard for _, lo, hi in layouts[1])
 
 

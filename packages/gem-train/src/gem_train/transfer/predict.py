@@ -1,10 +1,10 @@
 """``gem-train predict``: stream a dataset through a trained model and write its predictions to Parquet.
 
 Each split is read once in a fixed order (:func:`gem_train.transfer.rows.split_plan`) and cut into shards of
-``K`` consecutive batches (about ``shard_rows`` rows at most, and at least :data:`MIN_SHARDS` shards where the
-split has the batches); shard ``j`` is written by rank ``j mod W`` (one process, or ``torchrun``), with
-every row's keys, each task's probability and logit and, with ``embeddings``, the model's representation
-(:mod:`gem_train.transfer.representation`). Shards are atomic and name the run they belong to
+``K`` consecutive batches (about ``shard_rows`` rows at most, and at least :data:`MIN_SHARDS` shards
+where each keeps :data:`MIN_SHARD_ROWS` rows); shard ``j`` is written by rank ``j mod W`` (one process, or
+``torchrun``), with every row's keys, each task's probability and logit and, with ``embeddings``, the
+model's representation (:mod:`gem_train.transfer.representation`). Shards are atomic and name the run they belong to
 (:mod:`gem_train.transfer.prediction_files`), so a rerun after a crash writes only the missing ones; rank 0
 writes the manifest once every shard exists. The model runs as it was evaluated in training: its precision
 recipe, and bf16 autocast where ``train.autocast`` gives it (CUDA by default), logits read in fp32. On the
@@ -48,10 +48,12 @@ from gem_train.transfer.rows import SplitPlan, fingerprint, join_columns, split_
 __all__ = ["PredictResult", "forward_outputs", "run_predict"]
 
 SHARD_ROWS = 65_536  # rows per shard at most (about): one shard is what a rank holds in memory at once
-# A split is cut into at least this many shards (where it has the batches): shards are the unit of work of a
-# torchrun's ranks, so one shard of a 65,536-row split would leave every rank but one idle. The layout
-# depends on the split alone, never on the world size, so a rerun under another world size finds its shards.
+# A split is cut into at least this many shards where its shards keep MIN_SHARD_ROWS rows (about): shards
+# are the unit of work of a torchrun's ranks, so one shard of a 65,536-row split would leave every rank but
+# one idle, while each shard costs a file, its fsync and its rename (~7 ms). The layout depends on the split
+# alone, never on the world size, so a rerun under another world size finds its shards.
 MIN_SHARDS = 16
+MIN_SHARD_ROWS = 8_192
 
 
 @dataclass
@@ -149,7 +151,8 @@ def _plan_shards(
     todo: list[_Shard] = []
     found: dict[str, int] = {}
     for split, plan in plans.items():
-        k = max(1, min(shard_rows // plan.batch_size, -(-plan.num_batches // MIN_SHARDS)))
+        per_shard = max(-(-plan.num_batches // MIN_SHARDS), MIN_SHARD_ROWS // plan.batch_size)
+        k = max(1, min(shard_rows // plan.batch_size, per_shard))
         n_shards = -(-plan.num_batches // k)
         mine = list(range(rank, n_shards, world))
         remove_temporaries(out, [shard_name(split, j) for j in mine])
@@ -221,7 +224,8 @@ def _manifest(
     """Rank 0: every shard of every split present and this run's -> the manifest (written atomically)."""
     splits: dict[str, Any] = {}
     for split, plan in plans.items():
-        k = max(1, min(shard_rows // plan.batch_size, -(-plan.num_batches // MIN_SHARDS)))
+        per_shard = max(-(-plan.num_batches // MIN_SHARDS), MIN_SHARD_ROWS // plan.batch_size)
+        k = max(1, min(shard_rows // plan.batch_size, per_shard))
         shards, rows = [], 0
         s1, s2 = np.zeros(width), np.zeros(width)
         for j in range(-(-plan.num_batches // k)):
