@@ -1,12 +1,12 @@
 """``gem-train predict``: stream a dataset through a trained model and write its predictions to Parquet.
 
 Each split is read once in a fixed order (:func:`gem_train.transfer.rows.split_plan`) and cut into shards of
-``K`` consecutive batches (about ``shard_rows`` rows at most, and at least :data:`MIN_SHARDS` shards
-where each keeps :data:`MIN_SHARD_ROWS` rows); shard ``j`` is written by rank ``j mod W`` (one process, or
-``torchrun``), with every row's keys, each task's probability and logit and, with ``embeddings``, the
-model's representation (:mod:`gem_train.transfer.representation`). Shards are atomic and name the run
-they belong to (:mod:`gem_train.transfer.prediction_files`), so a rerun after a crash writes only the
-missing ones; rank 0 writes the manifest once every shard exists. The model runs as it was evaluated in training: its precision
+``K`` consecutive batches (about ``shard_rows`` rows at most, and at least :data:`MIN_SHARDS` shards where
+each keeps :data:`MIN_SHARD_ROWS` rows); shard ``j`` is written by rank ``j mod W`` (one process, or
+``torchrun``), with every row's keys, each task's probability and logit and, with ``embeddings``, the model's
+representation (:mod:`gem_train.transfer.representation`). Shards are atomic and name the run they belong to
+(:mod:`gem_train.transfer.prediction_files`), so a rerun after a crash writes only the missing ones; rank 0
+writes the manifest once every shard exists. The model runs as it was evaluated in training: its precision
 recipe, and bf16 autocast where ``train.autocast`` gives it (CUDA by default), logits read in fp32. On the
 CPU, freed host memory stays in the heap (:mod:`gem_train.transfer.heap`: ~1.25x the forward's rate).
 """
