@@ -7,8 +7,10 @@ softmax, causal silu GDPA) and cross-attention (a few PMA seed queries over each
 tokens over a few keys). Run: ``python packages/gem-kernels/benchmarks/bench_attention_cpu.py``.
 
 ``--forward`` times the forward alone (what inference runs) at the predict shapes (``--batch 1024 --dim 16``
-for ``tiny``), the softmax cases through PyTorch's fused CPU kernel against the batched-matmul path of the
-same module (the kernel switched off), alternating in one process.
+for ``tiny``) three ways, alternating in one process: the padded groups with batched matmuls, the padded
+groups through PyTorch's fused CPU kernel (softmax only), and the CSR products over the visible pairs
+(``attention.cpu_sparse``); ``auto`` names the one ``attention.cpu`` picks. Each call starts with the memos
+empty (the index plans and patterns a model's later calls reuse), so these are first-call costs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import functools
 import torch
 from common import timeit
 
-from gem_kernels.attention import cpu, reference
+from gem_kernels.attention import cpu, cpu_sparse, reference
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -42,14 +44,18 @@ def _fwd_bwd(impl, q, k, v, dout, qo, ko, act, left, right):
     impl.attention_bwd(dout, *args)
 
 
-def _forward_only(q, k, v, dout, qo, ko, act, left, right, fused: bool) -> None:
-    saved = cpu._FLASH_CPU
-    if not fused:
-        cpu._FLASH_CPU = None
+def _forward_only(q, k, v, dout, qo, ko, act, left, right, mode: str) -> None:
+    """One forward with the memos empty; ``mode``: "matmul" / "fused" (padded groups, the fused kernel
+    off / on) or "csr"."""
+    saved = cpu._FLASH_CPU, cpu_sparse.SHORT_SIDE
+    cpu._FLASH_CPU = None if mode == "matmul" else saved[0]
+    cpu_sparse.SHORT_SIDE = 10**9 if mode == "csr" else 0
+    cpu._PLANS.clear()
+    cpu_sparse._PATTERNS.clear()
     try:
         cpu.attention_fwd(q, k, v, qo, ko, act, left, right, q.shape[2] ** -0.5, 1.0 / 64)
     finally:
-        cpu._FLASH_CPU = saved
+        cpu._FLASH_CPU, cpu_sparse.SHORT_SIDE = saved
 
 
 def main() -> None:
@@ -75,7 +81,12 @@ def main() -> None:
         ("cross: hist x seeds", hist, few, "softmax", -1, -1),
     ]
     if args.forward:
-        cases.insert(1, ("self window 16 softmax", hist, hist, "softmax", 16, 0))
+        cases = [
+            ("self causal softmax", hist, hist, "softmax", -1, 0),
+            ("self window 16 softmax", hist, hist, "softmax", 16, 0),
+            ("PMA: seeds x hist", few, hist, "softmax", -1, -1),
+            ("context: hist x 6, silu", hist, torch.full_like(hist, 6), "silu", -1, -1),
+        ]
         if cpu._FLASH_CPU is None:
             raise SystemExit("this torch has no fused CPU flash-attention kernel")
     print(
@@ -85,16 +96,16 @@ def main() -> None:
         f"{args.iters}"
     )
     if args.forward:
-        print(f"{'case (forward only)':<26} {'matmul ms':>9} {'fused ms':>14} {'speed-up':>9}")
+        print(f"{'case (forward only)':<26} {'matmul ms':>9} {'fused ms':>9} {'CSR ms':>8} {'auto':>6}")
         for name, lq, lk, act, left, right in cases:
-            if act != "softmax":
-                continue
             tensors = _case(lq, lk, args.heads, args.dim, g)
-            plain, fused = (
-                timeit(functools.partial(_forward_only, *tensors, act, left, right, f), args.iters)
-                for f in (False, True)
-            )
-            print(f"{name:<26} {plain:>9.2f} {fused:>14.2f} {plain / fused:>8.2f}x")
+            ms = {
+                mode: timeit(functools.partial(_forward_only, *tensors, act, left, right, mode), args.iters)
+                for mode in ("matmul", "fused", "csr")
+            }
+            fused = f"{ms['fused']:>9.2f}" if act == "softmax" else f"{'-':>9}"
+            auto = "csr" if cpu_sparse.applies(int(lq.max()), int(lk.max())) else "padded"
+            print(f"{name:<26} {ms['matmul']:>9.2f} {fused} {ms['csr']:>8.2f} {auto:>6}")
         return
     print(f"{'case':<26} {'loop ms':>9} {'vectorized ms':>14} {'speed-up':>9}")
     for name, lq, lk, act, left, right in cases:
