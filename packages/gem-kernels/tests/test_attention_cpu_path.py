@@ -54,6 +54,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff / ref) if ref > 0 else float(diff)
 
 
+def _random_lengths(g: torch.Generator, cross: bool) -> tuple[list[int], list[int] | None]:
+    """A fresh batch of 1-39 sequences, log-normal lengths up to 70 with ~15% empty; ``None`` keys for
+    self-attention, else their own log-normal lengths."""
+    b = int(torch.randint(1, 40, (1,), generator=g))
+    lq = torch.exp(torch.randn(b, generator=g) * 1.2 + 1.5).long().clamp(max=70)
+    lq[torch.rand(b, generator=g) < 0.15] = 0
+    lk = torch.exp(torch.randn(b, generator=g) * 1.2 + 1.5).long().clamp(max=70).tolist() if cross else None
+    return lq.tolist(), lk
+
+
 def _compare(lq, lk, act, band, dtype, seed, dv=5):
     q, k, v, dout, qo, ko = _inputs(lq, lk, dtype, seed, dv=dv)
     args = (q, k, v, qo, ko, act, *band, 0.37, 0.61)
@@ -121,13 +131,8 @@ def test_sparse_forward_random_ragged_batches(monkeypatch, act):
     monkeypatch.setattr(cpu_sparse, "SHORT_SIDE", 10**9)
     g = torch.Generator().manual_seed(2027)
     for trial in range(6):
-        b = int(torch.randint(1, 40, (1,), generator=g))
-        lq = torch.exp(torch.randn(b, generator=g) * 1.2 + 1.5).long().clamp(max=70)
-        lq[torch.rand(b, generator=g) < 0.15] = 0
-        lk = None
-        if trial % 2:
-            lk = torch.exp(torch.randn(b, generator=g) * 1.2 + 1.5).long().clamp(max=70).tolist()
-        q, k, v, _, qo, ko = _inputs(lq.tolist(), lk, torch.float64, seed=trial, dv=8 if trial % 3 else 5)
+        lq, lk = _random_lengths(g, cross=bool(trial % 2))
+        q, k, v, _, qo, ko = _inputs(lq, lk, torch.float64, seed=trial, dv=8 if trial % 3 else 5)
         args = (q, k, v, qo, ko, act, *BANDS[trial % len(BANDS)], 0.37, 0.61)
         out, lse = cpu.attention_fwd(*args)
         out_ref, lse_ref = reference.attention_fwd(*args)
@@ -186,14 +191,9 @@ def test_random_ragged_batches(act):
     """Fresh random length mixes (log-normal, with zeros), self and cross."""
     g = torch.Generator().manual_seed(2026)
     for trial in range(6):
-        b = int(torch.randint(1, 40, (1,), generator=g))
-        lq = torch.exp(torch.randn(b, generator=g) * 1.2 + 1.5).long().clamp(max=70)
-        lq[torch.rand(b, generator=g) < 0.15] = 0
-        lk = None
-        if trial % 2:
-            lk = torch.exp(torch.randn(b, generator=g) * 1.2 + 1.5).long().clamp(max=70).tolist()
+        lq, lk = _random_lengths(g, cross=bool(trial % 2))
         band = BANDS[trial % len(BANDS)]
-        _compare(lq.tolist(), lk, act, band, torch.float64, seed=trial, dv=8 if trial % 3 else 5)
+        _compare(lq, lk, act, band, torch.float64, seed=trial, dv=8 if trial % 3 else 5)
 
 
 def test_int32_offsets():
