@@ -35,9 +35,8 @@ def _tables(
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         pos = rotary_positions(offsets, total, positions, ct)
         angle = pos[:, None] * inv_frequencies(dim, base, ct, pos.device)[None, :]  # [total, D/2]
-        return torch.cos(angle).repeat_interleave(heads, dim=0), torch.sin(angle).repeat_interleave(
-            heads, dim=0
-        )
+        cos, sin = torch.cos(angle), torch.sin(angle)
+        return cos.repeat_interleave(heads, dim=0), sin.repeat_interleave(heads, dim=0)
 
     source = positions.detach() if positions is not None else offsets
     return _TABLES.get((source, positions is None, total, heads, dim, base, ct), make)

@@ -144,6 +144,13 @@ def _identity(cfg: TrainConfig, run: Any, ckpt: Path, step: int, embeddings: boo
     }
 
 
+def _batches_per_shard(plan: SplitPlan, shard_rows: int) -> int:
+    """``K``, the batches of one shard of ``plan``'s split: at most ``shard_rows`` rows (about), at least
+    :data:`MIN_SHARDS` shards where each keeps :data:`MIN_SHARD_ROWS` rows; never fewer than one batch."""
+    per_shard = max(-(-plan.num_batches // MIN_SHARDS), MIN_SHARD_ROWS // plan.batch_size)
+    return max(1, min(shard_rows // plan.batch_size, per_shard))
+
+
 def _plan_shards(
     out: Path, plans: dict[str, SplitPlan], shard_rows: int, identity: dict[str, Any], rank: int, world: int
 ) -> tuple[list[_Shard], dict[str, int]]:
@@ -151,8 +158,7 @@ def _plan_shards(
     todo: list[_Shard] = []
     found: dict[str, int] = {}
     for split, plan in plans.items():
-        per_shard = max(-(-plan.num_batches // MIN_SHARDS), MIN_SHARD_ROWS // plan.batch_size)
-        k = max(1, min(shard_rows // plan.batch_size, per_shard))
+        k = _batches_per_shard(plan, shard_rows)
         n_shards = -(-plan.num_batches // k)
         mine = list(range(rank, n_shards, world))
         remove_temporaries(out, [shard_name(split, j) for j in mine])
@@ -224,8 +230,7 @@ def _manifest(
     """Rank 0: every shard of every split present and this run's -> the manifest (written atomically)."""
     splits: dict[str, Any] = {}
     for split, plan in plans.items():
-        per_shard = max(-(-plan.num_batches // MIN_SHARDS), MIN_SHARD_ROWS // plan.batch_size)
-        k = max(1, min(shard_rows // plan.batch_size, per_shard))
+        k = _batches_per_shard(plan, shard_rows)
         shards, rows = [], 0
         s1, s2 = np.zeros(width), np.zeros(width)
         for j in range(-(-plan.num_batches // k)):
