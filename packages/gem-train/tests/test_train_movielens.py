@@ -328,6 +328,28 @@ def test_history_genres_off_gives_the_plain_history(tmp_path):
         assert torch.equal(x, y)
 
 
+def test_rating_tasks_add_two_labels_from_the_rating_and_change_nothing_else(tmp_path):
+    """``rating_tasks``: labels ``[ctr, rating >= 3, rating = 5]`` of each event's own rating, all unmasked;
+    the features and the ``ctr`` column are those of the one-task dataset."""
+    rows = [f"1\t{1 + k % 3}\t{1 + k % 5}\t{10 * k}\n" for k in range(10)]
+    _write(tmp_path, rows)
+    ev = read_movielens_100k(tmp_path)
+    one = MovieLens100K(MovieLensConfig(max_len=4), events=ev)
+    three = MovieLens100K(MovieLensConfig(max_len=4, rating_tasks=True), events=ev)
+    assert one.spec.tasks == ("ctr",)
+    assert three.spec.tasks == ("ctr", "rating_ge3", "rating_ge5")
+    everything = np.arange(len(ev.user))
+    a, b = one.make_batch(everything), three.make_batch(everything)
+    b.validate(three.spec)
+    rating = torch.as_tensor(ev.rating.astype(np.int64))
+    want = torch.stack([rating >= 4, rating >= 3, rating == 5], dim=1).to(torch.float32)
+    assert torch.equal(b.labels, want)
+    assert bool(b.label_mask.all()) and b.label_mask.shape == (len(everything), 3)
+    assert torch.equal(a.labels[:, 0], b.labels[:, 0])
+    for x, y in zip(_features(a), _features(b), strict=True):
+        assert torch.equal(x, y)
+
+
 def test_history_crosses_on_movielens_count_the_earlier_events_of_the_movie_and_its_genres(tmp_path):
     """``cross_item_feature = "ad_id"``, ``cross_attribute_feature = "ad_genres"`` on a MovieLens batch: the
     item group counts the user's earlier ratings of the candidate movie, the genre group the genres they

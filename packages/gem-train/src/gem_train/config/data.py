@@ -98,6 +98,10 @@ class MovieLensConfig:
     # Each history event carries its movie's multi-hot genres (JaggedSequence.event_features); false: the
     # history has item, rating and time only (the behaviour before the feature existed).
     history_genres: bool = True
+    # Two more binary tasks from the same rating, trained beside ``ctr`` and never selected on:
+    # ``rating_ge3`` (rating >= 3) and ``rating_ge5`` (rating = 5): with ``ctr`` (>= 4 by default) they
+    # tell the rating itself apart, an auxiliary signal on every example. false: the one ``ctr`` task.
+    rating_tasks: bool = False
 
     def validate(self, key: str = "data.movielens") -> None:
         _int_in(f"{key}.max_len", self.max_len, 1)
@@ -114,6 +118,8 @@ class MovieLensConfig:
         _int_in(f"{key}.max_users", self.max_users, 0)
         if not isinstance(self.history_genres, bool):
             raise ConfigError(f"{key}.history_genres must be a bool, got {self.history_genres!r}")
+        if not isinstance(self.rating_tasks, bool):
+            raise ConfigError(f"{key}.rating_tasks must be a bool, got {self.rating_tasks!r}")
 
 
 @dataclass

@@ -64,6 +64,8 @@ from gem_train.data.split import HELD_OUT, Split, check_split
 __all__ = ["MovieLens100K"]
 
 _N_DENSE = 8
+# data.movielens.rating_tasks: the auxiliary tasks' names and their thresholds (label = rating >= threshold).
+RATING_TASK_THRESHOLDS = {"rating_ge3": 3, "rating_ge5": 5}
 _N_YEAR_BUCKETS = 16
 _AGE_BUCKETS = (18, 25, 35, 45, 50, 56)  # the ML-1M convention, applied to ML-100K's exact ages
 
@@ -109,7 +111,14 @@ class MovieLens100K:
         self.train_rows = np.flatnonzero(~is_eval & ~is_valid)
         self.valid_rows = np.flatnonzero(is_valid)
         self.eval_rows = np.flatnonzero(is_eval)
-        self.label = (ev.rating >= cfg.like_threshold).astype(np.float32)
+        # [n, n_tasks] float32: ctr, then (rating_tasks) rating >= 3 and rating = 5.
+        thresholds = (
+            (cfg.like_threshold, *RATING_TASK_THRESHOLDS.values())
+            if cfg.rating_tasks
+            else (cfg.like_threshold,)
+        )
+        self.labels = np.stack([ev.rating >= k for k in thresholds], axis=1).astype(np.float32)
+        self.label = self.labels[:, 0]
         # Movie popularity from the training split only.
         self.item_pop = np.bincount(ev.item[self.train_rows], minlength=ev.num_items).astype(np.float64)
         self._perm_cache: tuple[int, np.ndarray] | None = None
@@ -138,7 +147,7 @@ class MovieLens100K:
                     num_event_features=ev.num_genres if cfg.history_genres else 0,
                 ),
             ),
-            tasks=("ctr",),
+            tasks=("ctr", *RATING_TASK_THRESHOLDS) if cfg.rating_tasks else ("ctr",),
         )
 
     def data_identity(self) -> dict[str, Any]:
@@ -270,6 +279,6 @@ class MovieLens100K:
             sparse=sparse,
             sequences={"history": history},
             request_time=t(ev.timestamp[rows].astype(np.int64)),
-            labels=t(self.label[rows][:, None].copy()),
-            label_mask=torch.ones(b, 1, dtype=torch.bool),
+            labels=t(self.labels[rows].copy()),
+            label_mask=torch.ones(b, self.labels.shape[1], dtype=torch.bool),
         )
