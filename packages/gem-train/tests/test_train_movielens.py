@@ -350,6 +350,49 @@ def test_rating_tasks_add_two_labels_from_the_rating_and_change_nothing_else(tmp
         assert torch.equal(x, y)
 
 
+def test_item_stats_come_from_the_training_split_and_never_hold_a_rows_own_label(tmp_path):
+    """``item_stats``: two more dense columns, the movie's smoothed like rate and mean rating. A held-out
+    event sees every training event of its movie (checked against the formula); changing a held-out rating
+    moves no event's statistics, and changing a training rating never moves that event's own."""
+    rng = np.random.default_rng(0)
+    rows = [f"{1 + k % 2}\t{1 + k % 3}\t{rng.integers(1, 6)}\t{10 * k}\n" for k in range(40)]
+    _write(tmp_path, rows)
+    cfg = MovieLensConfig(max_len=4, eval_fraction=0.2, valid_fraction=0.2, item_stats=True)
+    ev = read_movielens_100k(tmp_path)
+    ds = MovieLens100K(cfg, events=ev)
+    assert ds.spec.n_dense == 10
+    plain = MovieLens100K(MovieLensConfig(max_len=4, eval_fraction=0.2, valid_fraction=0.2), events=ev)
+    everything = np.arange(len(ev.user))
+    b = ds.make_batch(everything)
+    b.validate(ds.spec)
+    assert torch.equal(b.dense[:, :8], plain.make_batch(everything).dense)
+    tr = ds.train_rows
+    prior_rate = float(ds.label[tr].mean())
+    prior_rating = float(ev.rating[tr].mean())
+    for r in np.concatenate([ds.valid_rows, ds.eval_rows]):
+        same = tr[ev.item[tr] == ev.item[r]]
+        rate = (ds.label[same].sum() + 10 * prior_rate) / (len(same) + 10)
+        rating = (ev.rating[same].sum() + 10 * prior_rating) / (len(same) + 10)
+        assert b.dense[r, 8].item() == pytest.approx(rate - 0.55, abs=1e-6)
+        assert b.dense[r, 9].item() == pytest.approx(rating - 3.5, abs=1e-6)
+    for r in np.concatenate([ds.valid_rows[:2], ds.eval_rows[:2]]):
+        ev2 = read_movielens_100k(tmp_path)
+        ev2.rating[r] = 6 - ev2.rating[r]
+        assert np.array_equal(MovieLens100K(cfg, events=ev2).item_stats, ds.item_stats), r
+    # Swap the ratings of two training events of different movies, one liked and one not: the priors (the
+    # training split's like rate and mean rating) stay, so only what the two labels feed moves.
+    moved = 0
+    for r in tr[:10]:
+        liked = ev.rating[r] >= 4
+        r2 = next(x for x in tr if ev.item[x] != ev.item[r] and (ev.rating[x] >= 4) != liked)
+        ev2 = read_movielens_100k(tmp_path)
+        ev2.rating[[r, r2]] = ev2.rating[[r2, r]]
+        other = MovieLens100K(cfg, events=ev2).item_stats
+        assert np.array_equal(other[r], ds.item_stats[r]), r
+        moved += int(not np.array_equal(other, ds.item_stats))
+    assert moved > 0  # the change does reach other folds' rows and the held-out rows
+
+
 def test_history_crosses_on_movielens_count_the_earlier_events_of_the_movie_and_its_genres(tmp_path):
     """``cross_item_feature = "ad_id"``, ``cross_attribute_feature = "ad_genres"`` on a MovieLens batch: the
     item group counts the user's earlier ratings of the candidate movie, the genre group the genres they

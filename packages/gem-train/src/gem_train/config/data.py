@@ -102,6 +102,10 @@ class MovieLensConfig:
     # ``rating_ge3`` (rating >= 3) and ``rating_ge5`` (rating = 5): with ``ctr`` (>= 4 by default) they
     # tell the rating itself apart, an auxiliary signal on every example. false: the one ``ctr`` task.
     rating_tasks: bool = False
+    # Two more dense features: the candidate movie's smoothed like rate and mean rating over the training
+    # split (the GBDT baseline's item statistics; a training row's own label kept out by 5-fold target
+    # encoding, held-out rows see the whole training split). false: the 8 dense features.
+    item_stats: bool = False
 
     def validate(self, key: str = "data.movielens") -> None:
         _int_in(f"{key}.max_len", self.max_len, 1)
@@ -118,8 +122,9 @@ class MovieLensConfig:
         _int_in(f"{key}.max_users", self.max_users, 0)
         if not isinstance(self.history_genres, bool):
             raise ConfigError(f"{key}.history_genres must be a bool, got {self.history_genres!r}")
-        if not isinstance(self.rating_tasks, bool):
-            raise ConfigError(f"{key}.rating_tasks must be a bool, got {self.rating_tasks!r}")
+        for name in ("rating_tasks", "item_stats"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{key}.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass

@@ -121,13 +121,15 @@ class MovieLens100K:
         self.label = self.labels[:, 0]
         # Movie popularity from the training split only.
         self.item_pop = np.bincount(ev.item[self.train_rows], minlength=ev.num_items).astype(np.float64)
+        # [n, 2] float64 (item_stats): every event's movie's like rate and mean rating, training split only.
+        self.item_stats = self._item_stats() if cfg.item_stats else None
         self._perm_cache: tuple[int, np.ndarray] | None = None
         # [num_items, num_genres] float32 multi-hot genres of every movie (the history's event features).
         self.item_genre_hot = np.zeros((ev.num_items, ev.num_genres), np.float32)
         for i, gs in enumerate(ev.item_genres):
             self.item_genre_hot[i, gs] = 1.0
         self.spec = FeatureSpec(
-            n_dense=_N_DENSE,
+            n_dense=_N_DENSE + (2 if cfg.item_stats else 0),
             sparse=(
                 SparseFeature("user_id", ev.num_users),
                 SparseFeature("user_gender", 2),
@@ -149,6 +151,27 @@ class MovieLens100K:
             ),
             tasks=("ctr", *RATING_TASK_THRESHOLDS) if cfg.rating_tasks else ("ctr",),
         )
+
+    def _item_stats(self) -> np.ndarray:
+        """``[n, 2]`` float64: each event's movie's smoothed like rate and mean rating over the training
+        split, as the GBDT baseline computes them (:class:`ItemStats`, smoothing 10): a validation or test
+        event sees every training event; a training event the other 4 of 5 folds (by a hash of user, movie
+        and time), so its own label is never in its features."""
+        from gem_train.evaluation.baselines.item_stats import ItemStats
+        from gem_train.evaluation.baselines.training_log import TrainingLog
+
+        ev, tr = self.ev, self.train_rows
+        user, item, time = ev.user[tr], ev.item[tr], ev.timestamp[tr]
+        rating = ev.rating[tr].astype(np.int64)
+        log = TrainingLog(
+            item=item, user=user, time=time, labels=self.labels[tr, :1].astype(np.float64),
+            mask=np.ones((len(tr), 1), bool), ev_user=user, ev_item=item, ev_time=time, ev_action=rating,
+        )  # fmt: skip
+        stats = ItemStats(log, ev.num_items, ("ctr",), encoding="kfold")
+        cols = [0, 2]  # item.ctr_rate, item.mean_action (log_rows is the popularity feature already)
+        out = stats.held_out(ev.item)[:, cols]
+        out[tr] = stats.training()[:, cols]
+        return out
 
     def data_identity(self) -> dict[str, Any]:
         """The sha256 of the three files (known: :func:`fetch_movielens_100k` refuses any other), of the
@@ -245,6 +268,11 @@ class MovieLens100K:
                 like_rate - 0.55,
                 np.log1p(gap_h) / 8.0,
                 g_like - 0.55,
+                *(
+                    (self.item_stats[rows, 0] - 0.55, self.item_stats[rows, 1] - 3.5)
+                    if self.item_stats is not None
+                    else ()
+                ),
             ],
             axis=1,
         ).astype(np.float32)
