@@ -67,7 +67,7 @@ def main(big: bool) -> None:
             for dtype in (torch.float32, torch.bfloat16):
                 x = sample(r, c, r * 31 + c, dtype)
                 got = quantize_packed(x, fmt, backend="triton")
-                ref = quantize_packed_reference(x.cpu(), fmt)
+                ref = quantize_packed_reference(x, fmt).cpu()  # on x's device (CUDA divides by a scalar via its reciprocal)
                 old = old_path(x, fmt)
                 tag = f"{fmt} {r}x{c} {str(dtype)[6:]}"
                 ok = got.shape == (r, packed_width(c, fmt)) and got.dtype == torch.uint8
@@ -82,7 +82,7 @@ def main(big: bool) -> None:
         got = quantize_packed(x, fmt, backend="triton")
         check(
             f"pack {fmt} of a transposed view",
-            torch.equal(got.cpu(), quantize_packed_reference(x.cpu(), fmt)),
+            torch.equal(got.cpu(), quantize_packed_reference(x, fmt).cpu()),
         )
         buf = torch.full((70, 48), 7.0, dtype=torch.bfloat16, device=DEVICE).t()  # [48, 70], strides (1, 48)
         x = sample(48, 70, 6, torch.float32)
@@ -97,7 +97,7 @@ def main(big: bool) -> None:
             ok = got.shape == (r, packed_width(c, fmt))
             check(
                 f"pack {fmt} empty {r}x{c}",
-                ok and torch.equal(got.cpu(), quantize_packed_reference(x.cpu(), fmt)),
+                ok and torch.equal(got.cpu(), quantize_packed_reference(x, fmt).cpu()),
             )
     print("FAILED:", FAILED if FAILED else "none")
     sys.exit(1 if FAILED else 0)

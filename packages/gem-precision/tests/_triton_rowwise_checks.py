@@ -28,10 +28,12 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 
 
 def reference(x: torch.Tensor, fmt: ElemFormat, k_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rowwise's CPU path (reference, then zero bytes up to a multiple of k_multiple)."""
-    d, s = quantize_rowwise_reference(x.cpu(), fmt.dtype)
+    """quantize_rowwise's PyTorch path (reference, then zero bytes up to a multiple of k_multiple), run on
+    ``x``'s own device: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal, so the CUDA
+    and CPU references can differ in a scale's last bit (measured on an H100, 2026-12-07)."""
+    d, s = quantize_rowwise_reference(x, fmt.dtype)
     pad = -d.shape[1] % k_multiple
-    return torch.nn.functional.pad(d.view(torch.uint8), (0, pad)), s
+    return torch.nn.functional.pad(d.view(torch.uint8), (0, pad)).cpu(), s.cpu()
 
 
 def same(

@@ -52,7 +52,7 @@ def _rowwise_kernel(
         cols = c0 + tl.arange(0, BC)
         m = rmask[:, None] & (cols[None, :] < C)
         x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=m, other=0.0)
-        v = tl.minimum(tl.maximum(x.to(tl.float32) / scale[:, None], -MAXV), MAXV)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -MAXV), MAXV)
         bits = fp8_bits(v, v, MBITS, BIAS, False, NATIVE)
         tl.store(data_ptr + rows[:, None] * stride_out + cols[None, :], bits.to(tl.uint8), mask=m)
 
@@ -84,7 +84,7 @@ def _col_quant_t_kernel(
     scale = tl.maximum(amax, _AMAX_EPS) / MAXV
     if tl.program_id(0) == 0:
         tl.store(scale_ptr + cols, scale, mask=cols < C)
-    v = tl.minimum(tl.maximum(x.to(tl.float32) / scale[None, :], -MAXV), MAXV)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale[None, :]), -MAXV), MAXV)
     bits = fp8_bits(v, v, MBITS, BIAS, False, NATIVE)
     tl.store(data_ptr + cols[None, :] * stride_out + rows[:, None], bits.to(tl.uint8), mask=m)
 
@@ -132,7 +132,7 @@ def _scale_of(amax_bits, MAXV: tl.constexpr):
 def _quant_bits(x, scale, MBITS: tl.constexpr, BIAS: tl.constexpr, MAXV: tl.constexpr, NATIVE: tl.constexpr):
     """FP8 bits (int32, 0..255) of fp32 ``x / scale`` saturated to the format (the element rule of every
     kernel here and of the reference)."""
-    v = tl.minimum(tl.maximum(x / scale, -MAXV), MAXV)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -MAXV), MAXV)
     return fp8_bits(v, v, MBITS, BIAS, False, NATIVE)
 
 
