@@ -14,7 +14,7 @@
     gem-train launch [torchrun options] COMMAND ...     torchrun that exits 0 after a signal once all saved
 
 ``--config`` takes a TOML file or a shipped config name (``gem_train.configs.SHIPPED_CONFIGS``: tiny-cpu,
-movielens, base-h200, large-h200, movielens-parquet).
+movielens, movielens-tuned, base-h200, large-h200, movielens-parquet).
 
 Building the parser imports neither torch nor the config schema (each command imports what it needs), so
 ``--help`` answers at once. :func:`main` returns the exit status; :func:`console_main` is the program (the

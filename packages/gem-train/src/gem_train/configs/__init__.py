@@ -3,4 +3,11 @@ without loading the config schema; :func:`gem_train.config.load_config` reads th
 
 __all__ = ["SHIPPED_CONFIGS"]
 
-SHIPPED_CONFIGS: tuple[str, ...] = ("tiny-cpu", "movielens", "base-h200", "large-h200", "movielens-parquet")
+SHIPPED_CONFIGS: tuple[str, ...] = (
+    "tiny-cpu",
+    "movielens",
+    "movielens-tuned",
+    "base-h200",
+    "large-h200",
+    "movielens-parquet",
+)
