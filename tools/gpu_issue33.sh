@@ -11,8 +11,8 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > /
 export PYTHONUNBUFFERED=1 GEM_COMPILE_CACHE=/tmp/gemcc GEM_KERNELS_CACHE=/tmp/gemkc GEM_KERNELS_TUNE_CANDIDATES=1
 NEW=$(ls -d packages/*/src | tr '\n' ':'); OLD=$(ls -d .gpu/base/packages/*/src | tr '\n' ':')
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-PYTHONPATH=/tmp/site:$NEW timeout 70 python3 -m pytest -v -p no:cacheprovider -m gpu -o addopts="" --import-mode=importlib \
-  --timeout=60 packages/gem-precision/tests packages/gem-model/tests 2>&1 | tee $OUT/gpu_tests_rest.log | grep -E "PASS|FAIL|ERROR|passed|failed|Timeout" | cut -c1-160
+PYTHONPATH=/tmp/site:$NEW timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu -o addopts="" --import-mode=importlib \
+  --timeout=180 packages/gem-precision/tests packages/gem-model/tests 2>&1 | tee $OUT/gpu_tests_rest.log | grep -E "PASS|FAIL|ERROR|passed|failed|Timeout" | cut -c1-160
 echo "tests done at $((SECONDS-T0))s"
 for r in old new; do
   P=$([ $r = old ] && echo $OLD || echo $NEW); t0=$SECONDS

@@ -67,7 +67,8 @@ def main(big: bool) -> None:
             for dtype in (torch.float32, torch.bfloat16):
                 x = sample(r, c, r * 31 + c, dtype)
                 got = quantize_packed(x, fmt, backend="triton")
-                ref = quantize_packed_reference(x, fmt).cpu()  # on x's device (CUDA divides by a scalar via its reciprocal)
+                # The reference on x's device: CUDA divides by a Python scalar through its reciprocal.
+                ref = quantize_packed_reference(x, fmt).cpu()
                 old = old_path(x, fmt)
                 tag = f"{fmt} {r}x{c} {str(dtype)[6:]}"
                 ok = got.shape == (r, packed_width(c, fmt)) and got.dtype == torch.uint8
