@@ -64,6 +64,18 @@ def fp8_bits(v, r, MBITS: tl.constexpr, BIAS: tl.constexpr, STOCHASTIC: tl.const
 
 
 @triton.jit
+def scaled_fp8_bits(
+    x, scale, MBITS: tl.constexpr, BIAS: tl.constexpr, MAXV: tl.constexpr, NATIVE: tl.constexpr
+):
+    """FP8 bits (int32, 0..255) of fp32 ``x / scale`` saturated to the format: the element rule of the
+    row-wise kernels (:mod:`.rowwise.triton`, :mod:`.packed.triton`) and of their PyTorch reference.
+    ``div_rn`` is IEEE division, as PyTorch's; Triton's ``/`` is the approximate ``div.full.f32``, which
+    rounded an element to a neighbouring FP8 value on an H100 (2026-12-07)."""
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -MAXV), MAXV)
+    return fp8_bits(v, v, MBITS, BIAS, False, NATIVE)
+
+
+@triton.jit
 def e8m0_to_f32(s):
     """fp32 ``2**(s - 127)`` of E8M0 bytes ``s`` (int32 0..255); 255 is NaN, 0 is the subnormal 2**-127."""
     bits = tl.where(s == 0, 0x400000, s << 23)

@@ -3,7 +3,7 @@ weight shard into its ``uint8 [R, K + s]`` rows, one launch turns gathered rows 
 
 - :func:`_pack_rowwise_kernel` ("fp8"): a program owns ``BR`` whole rows; pass 1 finds each row's maximum,
   pass 2 re-reads the rows (from L2), writes the E4M3 bytes and the row's 4 scale bytes. The element rule is
-  the one of the row-wise quantizer (:mod:`gem_precision.rowwise.triton`), so the bytes are the same.
+  the row-wise quantizer's (:func:`gem_precision.fp8_triton.scaled_fp8_bits`), so the bytes are the same.
 - :func:`_pack_mx_kernel` ("mxfp8"): a program owns a ``[BR, BC]`` tile (``BC`` a multiple of 32), reads it
   once, quantizes each 32-element block with :func:`gem_precision.fp8_triton.mx_block_quantize` (the MX
   quantizer's block rule) and writes the element bytes and the tile's scale bytes.
@@ -19,7 +19,7 @@ import triton.language as tl
 
 from gem_precision.dispatch import triton_interpreted
 from gem_precision.formats import E4M3
-from gem_precision.fp8_triton import NATIVE_FP8_CAST, e8m0_to_f32, fp8_bits, mx_block_quantize
+from gem_precision.fp8_triton import NATIVE_FP8_CAST, e8m0_to_f32, mx_block_quantize, scaled_fp8_bits
 
 _AMAX_EPS = tl.constexpr(1e-12)  # as gem_precision.rowwise.reference.AMAX_EPS
 
@@ -47,8 +47,7 @@ def _pack_rowwise_kernel(
         cols = c0 + tl.arange(0, BC)
         m = rmask[:, None] & (cols[None, :] < K)
         x = tl.load(xrow[:, None] + cols[None, :] * stride_c, mask=m, other=0.0)
-        v = tl.minimum(tl.maximum(x.to(tl.float32) / scale[:, None], -MAXV), MAXV)
-        bits = fp8_bits(v, v, MBITS, BIAS, False, NATIVE)
+        bits = scaled_fp8_bits(x.to(tl.float32), scale[:, None], MBITS, BIAS, MAXV, NATIVE)
         tl.store(orow[:, None] + cols[None, :], bits.to(tl.uint8), mask=m)
     sbits = scale.to(tl.int32, bitcast=True)
     j = tl.arange(0, 4)

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from gem_precision.dispatch import triton_interpreted
 from gem_precision.formats import ElemFormat
-from gem_precision.fp8_triton import NATIVE_FP8_CAST, fp8_bits
+from gem_precision.fp8_triton import NATIVE_FP8_CAST, scaled_fp8_bits
 
 _AMAX_EPS = tl.constexpr(1e-12)  # as gem_precision.rowwise.reference.AMAX_EPS
 
@@ -52,8 +52,7 @@ def _rowwise_kernel(
         cols = c0 + tl.arange(0, BC)
         m = rmask[:, None] & (cols[None, :] < C)
         x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=m, other=0.0)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -MAXV), MAXV)
-        bits = fp8_bits(v, v, MBITS, BIAS, False, NATIVE)
+        bits = scaled_fp8_bits(x.to(tl.float32), scale[:, None], MBITS, BIAS, MAXV, NATIVE)
         tl.store(data_ptr + rows[:, None] * stride_out + cols[None, :], bits.to(tl.uint8), mask=m)
 
 
@@ -84,8 +83,7 @@ def _col_quant_t_kernel(
     scale = tl.maximum(amax, _AMAX_EPS) / MAXV
     if tl.program_id(0) == 0:
         tl.store(scale_ptr + cols, scale, mask=cols < C)
-    v = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale[None, :]), -MAXV), MAXV)
-    bits = fp8_bits(v, v, MBITS, BIAS, False, NATIVE)
+    bits = scaled_fp8_bits(x.to(tl.float32), scale[None, :], MBITS, BIAS, MAXV, NATIVE)
     tl.store(data_ptr + cols[None, :] * stride_out + rows[:, None], bits.to(tl.uint8), mask=m)
 
 
@@ -129,14 +127,6 @@ def _scale_of(amax_bits, MAXV: tl.constexpr):
 
 
 @triton.jit
-def _quant_bits(x, scale, MBITS: tl.constexpr, BIAS: tl.constexpr, MAXV: tl.constexpr, NATIVE: tl.constexpr):
-    """FP8 bits (int32, 0..255) of fp32 ``x / scale`` saturated to the format (the element rule of every
-    kernel here and of the reference)."""
-    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -MAXV), MAXV)
-    return fp8_bits(v, v, MBITS, BIAS, False, NATIVE)
-
-
-@triton.jit
 def _tile_quant_kernel(
     x_ptr, col_amax_ptr, colt_ptr, col_scale_ptr, row_amax_ptr, row_ptr, row_scale_ptr,
     R, C, stride_r, stride_c, R_OUT, C_OUT,
@@ -162,7 +152,7 @@ def _tile_quant_kernel(
     if pid_r == 0:
         tl.store(col_scale_ptr + cols, cscale, mask=cmask)
     # Padding bytes are zeros whatever the scale (a NaN scale would make 0 / scale NaN).
-    bits = tl.where(inb, _quant_bits(x, cscale[None, :], MBITS, BIAS, MAXV, NATIVE), 0).to(tl.uint8)
+    bits = tl.where(inb, scaled_fp8_bits(x, cscale[None, :], MBITS, BIAS, MAXV, NATIVE), 0).to(tl.uint8)
     bt = tl.trans(bits)  # [BC, BR]: rows of the transposed output are contiguous in registers' order
     tmask = cmask[:, None] & (rows[None, :] < R_OUT)
     tl.store(colt_ptr + cols[:, None] * R_OUT + rows[None, :], bt, mask=tmask)
@@ -170,7 +160,7 @@ def _tile_quant_kernel(
         rscale = _scale_of(tl.load(row_amax_ptr + rows, mask=rmask, other=0), RMAXV)
         if pid_c == 0:
             tl.store(row_scale_ptr + rows, rscale, mask=rmask)
-        rbits = _quant_bits(x, rscale[:, None], RMBITS, RBIAS, RMAXV, NATIVE)
+        rbits = scaled_fp8_bits(x, rscale[:, None], RMBITS, RBIAS, RMAXV, NATIVE)
         rbits = tl.where(inb, rbits, 0).to(tl.uint8)
         tl.store(
             row_ptr + rows[:, None] * C_OUT + cols[None, :],

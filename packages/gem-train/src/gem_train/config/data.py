@@ -120,9 +120,7 @@ class MovieLensConfig:
         # Ratings are 1..5: a threshold of 1 makes every label positive, above 5 every label negative.
         _int_in(f"{key}.like_threshold", self.like_threshold, 2, 5)
         _int_in(f"{key}.max_users", self.max_users, 0)
-        if not isinstance(self.history_genres, bool):
-            raise ConfigError(f"{key}.history_genres must be a bool, got {self.history_genres!r}")
-        for name in ("rating_tasks", "item_stats"):
+        for name in ("history_genres", "rating_tasks", "item_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{key}.{name} must be a bool, got {getattr(self, name)!r}")
 
