@@ -25,9 +25,11 @@ def allgather(d: dict[str, Any]) -> list[str]:
         out.append(
             f"  {r['fmt']:5s} 1/{r['shards']} shards, {r['elements'] / 1e6:.1f}M el:"
             f" bf16 cast {r['bf16_cast_ms']:.3f} ms ({r['bf16_cast_gbps']:.0f} GB/s);"
-            f" fused {r['fused_quant_ms']:.3f} ms ({r['fused_quant_gbps']:.0f} GB/s)"
-            f" = {r['fused_vs_bf16_cast']:.2f}x the cast (<= 2: {target});"
-            f" old {r['old_quant_ms']:.3f} ms ({r['fused_speedup_vs_old']:.1f}x the fused);"
+            f" per unit ({r['n_units']} launches) {r['unit_quant_ms']:.3f} ms"
+            f" ({r['unit_quant_gbps']:.0f} GB/s) = {r['unit_vs_bf16_cast']:.2f}x the cast (<= 2: {target});"
+            f" one launch {r['all_quant_ms']:.3f} ms;"
+            f" per weight {r['fused_quant_ms']:.3f} ms = {r['fused_vs_bf16_cast']:.2f}x;"
+            f" old {r['old_quant_ms']:.3f} ms;"
             f" dequant {r['old_dequant_ms']:.3f} -> {r['fused_dequant_ms']:.3f} ms;"
             f" bytes equal {r['bytes_equal_old'] and r['dequant_equal_old']}"
         )

@@ -72,6 +72,17 @@ def _all_gather_worker(rank: int, world_size: int) -> dict:
         if fmt in ("fp8", "mxfp8"):
             linear = model.layers["0"].ffn.w13
             wrapped = isinstance(linear.weight.to_local(), QuantizedAllGatherWeight)
+            shards = [
+                t
+                for p in model.layers["0"].parameters()
+                if isinstance(t := p._local_tensor, QuantizedAllGatherWeight)
+            ]
+            rounds = {id(t._round) for t in shards if t._round is not None}
+            out[fmt]["unit"] = {
+                "shards": len(shards),
+                "rounds": len(rounds),
+                "batches": shards[0]._round.batches,
+            }
             expected = _expected_gathered(full(linear.weight.detach()), fmt)
             model.layers["0"].unshard()  # the gathered (dequantized) weight, as forward sees it
             gathered = linear.weight.detach().clone()
@@ -95,6 +106,10 @@ def test_8bit_all_gather_bytes_weights_and_loss():
             # still move in bf16. Measured: 0.512 (fp8), 0.520 (mxfp8); bytes are exact counts, not noisy.
             assert ratio <= 0.53, (fmt, ratio)
             assert r[fmt]["calls"] == r["bf16"]["calls"]  # same units, same schedule
+            # Layer 0's wrapped weights share one round, quantized in one launch per round: 2 steps of a
+            # forward gather and a backward re-gather (reshard_after_forward) = 4 rounds, not 4 x shards.
+            unit = r[fmt]["unit"]
+            assert unit["shards"] >= 3 and unit["rounds"] == 1 and unit["batches"] == 4, unit
             assert (
                 r[fmt]["wrapped"]
                 and r[fmt]["gathered_exact"]

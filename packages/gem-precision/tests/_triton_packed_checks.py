@@ -16,7 +16,7 @@ import sys
 import torch
 
 from gem_precision import quantize_rowwise, to_mx
-from gem_precision.packed import dequantize_packed, packed_width, quantize_packed
+from gem_precision.packed import dequantize_packed, packed_width, quantize_packed, quantize_packed_many
 from gem_precision.packed.reference import dequantize_packed_reference, quantize_packed_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -56,6 +56,28 @@ def old_path(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).cpu()
+
+
+def check_many(fmt: str, big: bool) -> None:
+    """One launch over a round of shards: each result equals the reference of its shard, whatever the
+    shards' order in memory (later ones at lower addresses too), shapes, strides, dtypes and emptiness; a
+    second round over the same shards (its launch tables kept) sees their new values."""
+    shapes = [(96, 64), (17, 65), (1, 1), (0, 64), (3, 0), (40, 97), (33, 200)]
+    if big:
+        shapes += [(1536, 512), (512, 512), (4096, 512), (512, 2048), (256, 4104)]
+    later = [sample(r, c, 7 * r + c, torch.float32) for r, c in shapes]  # allocated first: lower addresses
+    xs = [sample(r, c, 3 * r + c, torch.float32) for r, c in shapes] + later[::-1]
+    xs.append(sample(70, 48, 9, torch.float32).t())  # a transposed view
+    xs.append(sample(21, 130, 10, torch.bfloat16))  # a second dtype: its own launch
+    for round_ in (1, 2):
+        got = quantize_packed_many(xs, fmt, backend="triton")
+        ok = len(got) == len(xs)
+        for x, g in zip(xs, got):
+            ok = ok and g.shape == (x.shape[0], packed_width(x.shape[1], fmt)) and g.dtype == torch.uint8
+            ok = ok and torch.equal(g.cpu(), quantize_packed_reference(x, fmt).cpu())
+        check(f"pack many {fmt}, round {round_}: {len(xs)} shards = reference", ok)
+        for x in xs[:3] + xs[-2:]:
+            x.mul_(-0.5)  # in place, as an optimizer step: the same addresses, new (finite) values
 
 
 def main(big: bool) -> None:
@@ -100,6 +122,8 @@ def main(big: bool) -> None:
                 f"pack {fmt} empty {r}x{c}",
                 ok and torch.equal(got.cpu(), quantize_packed_reference(x, fmt).cpu()),
             )
+    for fmt in ("fp8", "mxfp8"):
+        check_many(fmt, big)
     print("FAILED:", FAILED if FAILED else "none")
     sys.exit(1 if FAILED else 0)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gem_precision import quantize_rowwise, to_mx
-from gem_precision.packed import dequantize_packed, packed_width, quantize_packed
+from gem_precision.packed import dequantize_packed, packed_width, quantize_packed, quantize_packed_many
 
 SCRIPT = Path(__file__).with_name("_triton_packed_checks.py")
 
@@ -65,6 +65,35 @@ def test_dequantize_into_out_and_dtype():
     out = torch.full((64, 8), 3.0).t()  # a strided buffer
     ret = dequantize_packed(packed, 64, "fp8", out=out)
     assert ret is out and torch.equal(out, dequantize_packed(packed, 64, "fp8", torch.float32))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_many_is_each_shard_packed_alone(fmt):
+    """The round op gives, per shard and in order, what quantizing that shard alone gives (mixed shapes,
+    dtypes, strides and empty shards); no shards, no results."""
+    xs = [
+        _weights(8, 64, 1),
+        _weights(3, 40, 2).to(torch.bfloat16),
+        _weights(40, 12, 3).t(),
+        torch.zeros(0, 32),
+    ]
+    got = quantize_packed_many(xs, fmt)
+    assert len(got) == len(xs)
+    for x, g in zip(xs, got):
+        assert torch.equal(g, quantize_packed(x, fmt))
+    assert quantize_packed_many([], fmt) == []
+
+
+def test_many_rejects_bad_input():
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        quantize_packed_many([torch.randn(2, 2)], "int8")
+    with pytest.raises(ValueError, match=r"xs\[1\] has shape \(4,\)"):
+        quantize_packed_many([torch.randn(2, 2), torch.randn(4)], "fp8")
+    with pytest.raises(TypeError, match="floating-point"):
+        quantize_packed_many([torch.ones(2, 2, dtype=torch.int64)], "fp8")
+    meta = torch.empty(2, 2, device="meta")
+    with pytest.raises(ValueError, match=r"xs\[1\] is on meta"):
+        quantize_packed_many([torch.randn(2, 2), meta], "fp8")
 
 
 def test_face_rejects_bad_input():

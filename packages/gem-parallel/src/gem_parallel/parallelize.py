@@ -35,6 +35,7 @@ from gem_parallel.activation_checkpoint import (
 from gem_parallel.all_gather import (
     check_quantized_all_gather,
     enable_quantized_all_gather,
+    group_quantized_all_gather,
     quantized_all_gather_targets,
 )
 from gem_parallel.compile import compile_layers
@@ -251,6 +252,8 @@ def parallelize(
                 quantized_all_gather_targets(model, config.all_gather_min_numel, ignored), config.all_gather
             )
         apply_fsdp(model, mesh, dims, config.fsdp, experts=experts, ignored_params=ignored)
+        if config.all_gather != "bf16":
+            group_quantized_all_gather(model)  # one quantize launch per unit and round
     # --- embedding sharding: the sparse half of gem-parallel (gem_parallel.sparse) -------------------------
     if config.embeddings is not None:
         from gem_parallel.sparse import shard_embeddings

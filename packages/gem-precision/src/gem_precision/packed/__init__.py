@@ -2,9 +2,16 @@
 tensor (the payload of gem-parallel's 8-bit FSDP all-gather).
 
 :mod:`.ops` is the op face (checks, dispatch); :mod:`.reference` the PyTorch reference (CPU path, test
-oracle, the layout); :mod:`.triton` the kernels (one launch to quantize a shard, one to dequantize).
+oracle, the layout); :mod:`.triton` the kernels (one launch to quantize any number of shards, one to
+dequantize).
 """
 
-from gem_precision.packed.ops import PACKED_FORMATS, dequantize_packed, packed_width, quantize_packed
+from gem_precision.packed.ops import (
+    PACKED_FORMATS,
+    dequantize_packed,
+    packed_width,
+    quantize_packed,
+    quantize_packed_many,
+)
 
-__all__ = ["PACKED_FORMATS", "dequantize_packed", "packed_width", "quantize_packed"]
+__all__ = ["PACKED_FORMATS", "dequantize_packed", "packed_width", "quantize_packed", "quantize_packed_many"]

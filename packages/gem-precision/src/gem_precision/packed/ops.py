@@ -10,6 +10,8 @@ scale bytes gives the same bytes, in several launches per weight (plus copies) i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from gem_precision.dispatch import use_triton
@@ -21,7 +23,7 @@ from gem_precision.packed.reference import (
     scale_bytes,
 )
 
-__all__ = ["PACKED_FORMATS", "dequantize_packed", "packed_width", "quantize_packed"]
+__all__ = ["PACKED_FORMATS", "dequantize_packed", "packed_width", "quantize_packed", "quantize_packed_many"]
 
 
 def _check_fmt(op: str, fmt: str) -> None:
@@ -58,6 +60,46 @@ def quantize_packed(x: torch.Tensor, fmt: str, *, backend: str = "auto") -> torc
 
         return quantize_packed_triton(x, fmt, packed_width(x.shape[1], fmt))
     return quantize_packed_reference(x, fmt)
+
+
+def quantize_packed_many(
+    xs: Sequence[torch.Tensor], fmt: str, *, backend: str = "auto"
+) -> list[torch.Tensor]:
+    """:func:`quantize_packed` of every tensor of ``xs``, in one Triton launch per dtype on CUDA.
+
+    What an FSDP unit's all-gather round needs: every wrapped weight shard of the unit quantized at once
+    (the per-launch host cost, not memory traffic, is what a weight at a GEM trunk's shapes costs).
+
+    Args:
+        xs: 2-D fp32 / bf16 / fp16 tensors ``[R_i, K_i]`` (any strides, shapes and dtypes), one device.
+        fmt: "fp8" or "mxfp8", as :func:`quantize_packed`.
+        backend: as :func:`quantize_packed`.
+
+    Returns:
+        ``uint8 [R_i, packed_width(K_i, fmt)]`` per tensor, in order: each equal to ``quantize_packed(xs[i],
+        fmt)``. On CUDA they are contiguous views of one buffer per dtype.
+    """
+    _check_fmt("quantize_packed_many", fmt)
+    xs = list(xs)
+    for i, x in enumerate(xs):
+        check_float_tensor("quantize_packed_many", f"xs[{i}]", x)
+        if x.dim() != 2:
+            raise ValueError(
+                f"quantize_packed_many needs 2-D tensors [R, K], xs[{i}] has shape {tuple(x.shape)}"
+            )
+        if x.device != xs[0].device:
+            raise ValueError(f"quantize_packed_many: xs[{i}] is on {x.device}, xs[0] on {xs[0].device}")
+    if not xs or not use_triton(xs[0], backend):
+        return [quantize_packed_reference(x, fmt) for x in xs]
+    from gem_precision.packed.triton import quantize_packed_many_triton
+
+    out: list[torch.Tensor | None] = [None] * len(xs)
+    for dtype in dict.fromkeys(x.dtype for x in xs):
+        idx = [i for i, x in enumerate(xs) if x.dtype == dtype]
+        widths = [packed_width(xs[i].shape[1], fmt) for i in idx]
+        for i, packed in zip(idx, quantize_packed_many_triton([xs[i] for i in idx], fmt, widths)):
+            out[i] = packed
+    return [p for p in out if p is not None]
 
 
 def dequantize_packed(
