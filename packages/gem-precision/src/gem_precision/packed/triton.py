@@ -155,7 +155,7 @@ _INTERP = (16, 64, 1)
 
 # Device tables of launches already made, by the shards' addresses, shapes and strides (which fully determine
 # them): an FSDP round quantizes the same shards every step, so its tables are built and copied once.
-_TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
+_TABLES: OrderedDict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
 _TABLES_KEPT = 256
 
 
