@@ -75,7 +75,9 @@ def measure_rates(name: str) -> DeviceRates:
     col_s = bench(lambda: quantize_rowwise(x, transpose=True, k_multiple=16)) * 1e-3
     tiny = torch.randn(64, 64, device=dev, dtype=torch.bfloat16)
     fixed = bench(lambda: quantize_rowwise(tiny, k_multiple=16)) * 1e-3
-    base = DeviceRates(name, bf16_flops=bf16, fp8_flops=fp8, fp8_flops_precise=fp8_precise, copy_bytes=copy)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    base = DeviceRates(name, bf16_flops=bf16, fp8_flops=fp8, fp8_flops_precise=fp8_precise, copy_bytes=copy,
+                       sms=sms)  # fmt: skip
     return dataclasses.replace(
         base,
         row_cast_efficiency=x.numel() * base.row_cast_bytes / (row_s - 2 * fixed) / copy,

@@ -2,7 +2,8 @@
 ``fp8_auto_fallback``, the default), and why: gem-precision's roofline per GEMM (``Recipe.gemm_speedups``
 for the per-layer choice, ``fp8_gemm_speedup`` at the config's tokens for the per-call one).
 
-Per layer, once: a GEMM that no token count makes pay on the H200's rates runs bf16 (a layer whose three
+Per layer, once: a GEMM that no token count makes pay on the H200's rates (on a CPU; the GPU's own on a GPU)
+runs bf16 (a layer whose three
 GEMMs all do is a plain ``F.linear``). Per call: the rest run FP8 when the device's rates predict
 ``AUTO_MIN_SPEEDUP`` at the call's token count. Event-level layers see one row per history event (a
 base-h200 step: ~182k, large-h200: ~38k); example-level ones a few per user, where nothing pays.
@@ -76,9 +77,16 @@ def test_fp8_only_where_the_roofline_says_it_pays(name):
     d = 512 if name == "base-h200" else 1024
     squares = [r for k, r in rows.items() if r[0] == r[1] == d]
     assert squares and all(r[3] == ("bf16",) * 3 for r in squares)
-    # The SwiGLU up-projection's forward pays on both GPUs at the step's token count.
     w13 = rows["layers.#.ffn.w13"]
-    assert w13[3][0] == "fp8" and w13[4][0] == "fp8" and w13[5][0] == "fp8"
+    if name == "base-h200":
+        # At width 512 nothing pays (the up-projection's forward measured 0.89x on an H100): every GEMM runs
+        # bf16 on both GPUs, and every event-level layer is a plain F.linear (the experts' 1024 -> 2560
+        # projection could pay for a batch of users it never sees: wrapped, bf16 per call).
+        assert all(r[4] == r[5] == ("bf16",) * 3 for r in rows.values())
+        assert all(r[3] == ("bf16",) * 3 for r in rows.values() if r[2])
+    else:
+        # large-h200's SwiGLU up-projection forward pays on both GPUs at the step's token count (1.45x).
+        assert w13[3][0] == "fp8" and w13[4][0] == "fp8" and w13[5][0] == "fp8"
     # Example-level layers see too few rows: bf16 in every call.
     assert all(r[4] == r[5] == ("bf16",) * 3 for r in rows.values() if not r[2])
     # An H200 (more bandwidth: cheaper casts) runs at least the GEMMs an H100 runs in FP8.

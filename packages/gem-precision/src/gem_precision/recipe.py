@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from gem_precision.formats import SCALE_MODES, check_block_size, elem_format
-from gem_precision.roofline import AUTO_MIN_SPEEDUP, H200, fp8_gemm_speedup
+from gem_precision.roofline import AUTO_MIN_SPEEDUP, fp8_gemm_speedup, layer_rates
 from gem_precision.rowwise import MIN_FP8_DIM, rowwise_fallback
 
 # for_layer's token count for "can this GEMM ever pay": the roofline's speed-up grows with the tokens (the
@@ -56,9 +56,10 @@ class Recipe:
         fp8_min_speedup: 0 (default): every ``fp8_rowwise`` GEMM whose shape FP8 can take runs in FP8.
             > 0: only those the stated roofline (:mod:`gem_precision.roofline`) predicts at least this much
             faster than bf16, decided per GEMM: once per layer for any token count (:meth:`for_layer`, on
-            the H200's rates, the most favourable known device: a GEMM that cannot pay there at any token
-            count runs bf16 from the start), and per call on the device's rates with the call's token count
-            (``fp8_rowwise_mm``'s ``min_speedup``). ``Recipe.fp8_rowwise(auto_fallback=True)`` sets
+            this process's GPU's rates, or the H200's, the most favourable known device, without one: a
+            GEMM that cannot pay at any token count runs bf16 from the start, and a layer none of whose
+            GEMMs pays stays a plain ``F.linear``), and per call on the device's rates with the call's token
+            count (``fp8_rowwise_mm``'s ``min_speedup``). ``Recipe.fp8_rowwise(auto_fallback=True)`` sets
             :data:`gem_precision.roofline.AUTO_MIN_SPEEDUP`.
         block_size: MX block size.
     """
@@ -124,15 +125,17 @@ class Recipe:
         self, in_features: int, out_features: int, tokens: int = _MANY_TOKENS
     ) -> dict[str, float]:
         """The roofline's predicted fp8_rowwise speed-up of each GEMM of a layer at ``tokens`` tokens on the
-        H200's rates (:func:`gem_precision.roofline.fp8_gemm_speedup`; default: the limit for large
-        batches). Forward casts x and w row-wise; dgrad dy row-wise and w column-wise; wgrad dy and x
-        column-wise; dgrad and wgrad accumulate precisely unless ``fp8_fast_accum_backward``."""
+        rates of this process's GPU, else the H200's (:func:`gem_precision.roofline.fp8_gemm_speedup`;
+        default: the limit for large batches). Forward casts x and w row-wise; dgrad dy row-wise and w
+        column-wise; wgrad dy and x column-wise; dgrad and wgrad accumulate precisely unless
+        ``fp8_fast_accum_backward``."""
         i, o, t = in_features, out_features, tokens
         p = not self.fp8_fast_accum_backward
+        rates = layer_rates()
         return {
-            "forward": fp8_gemm_speedup(t, i, o, precise=not self.fp8_fast_accum, rates=H200),
-            "dgrad": fp8_gemm_speedup(t, o, i, b_col=True, precise=p, rates=H200),
-            "wgrad": fp8_gemm_speedup(o, t, i, a_col=True, b_col=True, precise=p, rates=H200),
+            "forward": fp8_gemm_speedup(t, i, o, precise=not self.fp8_fast_accum, rates=rates),
+            "dgrad": fp8_gemm_speedup(t, o, i, b_col=True, precise=p, rates=rates),
+            "wgrad": fp8_gemm_speedup(o, t, i, a_col=True, b_col=True, precise=p, rates=rates),
         }
 
     @classmethod
