@@ -77,16 +77,12 @@ def test_fp8_only_where_the_roofline_says_it_pays(name):
     d = 512 if name == "base-h200" else 1024
     squares = [r for k, r in rows.items() if r[0] == r[1] == d]
     assert squares and all(r[3] == ("bf16",) * 3 for r in squares)
-    w13 = rows["layers.#.ffn.w13"]
-    if name == "base-h200":
-        # At width 512 nothing pays (the up-projection's forward measured 0.89x on an H100): every GEMM runs
-        # bf16 on both GPUs, and every event-level layer is a plain F.linear (the experts' 1024 -> 2560
-        # projection could pay for a batch of users it never sees: wrapped, bf16 per call).
-        assert all(r[4] == r[5] == ("bf16",) * 3 for r in rows.values())
-        assert all(r[3] == ("bf16",) * 3 for r in rows.values() if r[2])
-    else:
-        # large-h200's SwiGLU up-projection forward pays on both GPUs at the step's token count (1.45x).
-        assert w13[3][0] == "fp8" and w13[4][0] == "fp8" and w13[5][0] == "fp8"
+    # At widths 512 and 1024 no layer pays as a whole: every GEMM runs bf16 on both GPUs and every layer is
+    # a plain F.linear, so the recipe runs these configs as bf16 does. base-h200's up-projection forward
+    # measured 0.89x on an H100 (the FP8 epilogue's share at K = 512); large-h200's 1.45x, but over the
+    # layer's three GEMMs the roofline predicts 1.07x, under AUTO_MIN_SPEEDUP (and the FP8 layers the
+    # per-GEMM rule kept made large-h200's step 0.91x the bf16 one on an H100).
+    assert all(r[3] == r[4] == r[5] == ("bf16",) * 3 for r in rows.values())
     # Example-level layers see too few rows: bf16 in every call.
     assert all(r[4] == r[5] == ("bf16",) * 3 for r in rows.values() if not r[2])
     # An H200 (more bandwidth: cheaper casts) runs at least the GEMMs an H100 runs in FP8.

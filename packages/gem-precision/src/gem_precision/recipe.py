@@ -104,7 +104,11 @@ class Recipe:
         The layer's GEMMs are forward ``[T, in] @ [in, out]``, dgrad ``[T, out] @ [out, in]`` and wgrad
         ``[out, T] @ [T, in]`` (T tokens, known only per call: :func:`~gem_precision.rowwise.fp8_rowwise_mm`
         decides on it then). See :func:`~gem_precision.rowwise.rowwise_fallback` for the rule; with
-        ``fp8_min_speedup`` also the GEMMs no token count makes pay (:meth:`gemm_speedups`).
+        ``fp8_min_speedup`` also the GEMMs no token count makes pay (:meth:`gemm_speedups`), and every
+        GEMM of a layer whose three GEMMs together would not gain ``fp8_min_speedup`` (:meth:`layer_speedup`):
+        an FP8 layer's autograd function costs its three GEMMs the fusions, the per-call choice and the
+        launches of a plain ``F.linear`` (large-h200 on an H100: 0.91x the bf16 step with the FP8 layers
+        the per-GEMM rule kept, when the best choice per GEMM gains 1.05x of the GEMMs' time).
         """
         t = MIN_FP8_DIM  # any token count the per-call rule accepts
         shapes = {
@@ -119,7 +123,21 @@ class Recipe:
             if getattr(self, name) == "fp8_rowwise"
             and (rowwise_fallback(m, k, n) is not None or best.get(name, 1e9) < self.fp8_min_speedup)
         }
+        if best:
+            kept = [
+                g
+                for g in ("forward", "dgrad", "wgrad")
+                if getattr(self, g) == "fp8_rowwise" and g not in changes
+            ]
+            if kept and self.layer_speedup(best, kept) < self.fp8_min_speedup:
+                changes.update(dict.fromkeys(kept, "bf16"))
         return dataclasses.replace(self, **changes) if changes else self
+
+    @staticmethod
+    def layer_speedup(speedups: dict[str, float], fp8_gemms: list[str]) -> float:
+        """A layer's predicted speed-up over its three GEMMs with ``fp8_gemms`` in FP8 at ``speedups`` (per
+        GEMM, from :meth:`gemm_speedups`): the three have the same FLOPs, so the same bf16 time."""
+        return 3.0 / sum(1.0 / speedups[g] if g in fp8_gemms else 1.0 for g in ("forward", "dgrad", "wgrad"))
 
     def gemm_speedups(
         self, in_features: int, out_features: int, tokens: int = _MANY_TOKENS
