@@ -61,7 +61,7 @@ part fp8layers 90 python3 packages/gem-precision/benchmarks/bench_fp8_layers.py 
 part wsprobe 30 python3 packages/gem-kernels/benchmarks/ws_probe_sm90.py
 # fp8_rowwise first: the CUDA-graph measurement (bf16, last) cannot disturb it if a capture fails.
 part base 240 python3 packages/gem-train/benchmarks/bench_speed.py --config base-h200 --recipes fp8_rowwise,bf16 \
-  --steps 10 --distinct 3 --prefetch-steps 0 --profile-steps 0 --cuda-graphs bf16 --out "$OUT/base"
+  --steps 10 --distinct 3 --prefetch-steps 0 --profile-steps 3 --cuda-graphs bf16 --out "$OUT/base"
 part large 240 python3 packages/gem-train/benchmarks/bench_speed.py --config large-h200 --recipes bf16,fp8_rowwise \
   --steps 6 --distinct 2 --prefetch-steps 0 --profile-steps 0 --out "$OUT/large"
 
