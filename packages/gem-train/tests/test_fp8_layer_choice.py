@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from torch import nn
 
 import gem_model
 from gem_precision import MXFP8Linear, convert
@@ -28,7 +29,10 @@ EVENT_LEVEL = re.compile(r"layers\.\d+\.(attn\.(qkv|out)|ffn\.w(13|2)|cross\.(q|
 TOKENS = {"base-h200": 182_000, "large-h200": 38_000}  # mean history events per step (test_large_config)
 
 
-def _converted(name: str) -> tuple[dict[str, MXFP8Linear], int]:
+def _converted(name: str) -> tuple[dict[str, nn.Linear], int]:
+    """The linear layers of the config's model that the precision policy may convert (``min_features``),
+    after ``convert``: an ``MXFP8Linear`` where the auto recipe may run some GEMM in FP8, else still the
+    plain ``nn.Linear``."""
     cfg = load_config(name, ["precision.recipe=fp8_rowwise"])
     assert cfg.precision.fp8_auto_fallback
     spec = SyntheticAds(cfg.data.synthetic, seed=0).spec
@@ -36,12 +40,21 @@ def _converted(name: str) -> tuple[dict[str, MXFP8Linear], int]:
     recipe = _recipe(cfg)
     assert recipe.fp8_min_speedup == AUTO_MIN_SPEEDUP
     convert(model, recipe, min_features=cfg.precision.min_features)
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, MXFP8Linear)}
+    layers = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and min(m.in_features, m.out_features) >= cfg.precision.min_features
+    }
+    for layer in layers.values():  # converted exactly where the per-layer rule leaves an FP8 GEMM
+        static = recipe.for_layer(layer.in_features, layer.out_features).gemms
+        assert isinstance(layer, MXFP8Linear) == (static != ("bf16",) * 3)
     return layers, cfg.data.batch_size
 
 
-def _per_call(layer: MXFP8Linear, tokens: int, rates) -> tuple[str, str, str]:
+def _per_call(layer: nn.Linear, tokens: int, rates) -> tuple[str, str, str]:
     """The formats each GEMM runs in at ``tokens`` rows on a device of ``rates``."""
+    if not isinstance(layer, MXFP8Linear):
+        return ("bf16",) * 3
     i, o, r = layer.in_features, layer.out_features, layer.layer_recipe
     precise = not r.fp8_fast_accum_backward
     pred = {
@@ -63,7 +76,8 @@ def test_fp8_only_where_the_roofline_says_it_pays(name):
         kind = re.sub(r"\.\d+\.", ".#.", lname)
         event = bool(EVENT_LEVEL.search(lname))
         tokens = TOKENS[name] if event else batch * 16  # at most a batch's users times their tokens
-        static = tuple("fp8" if g == "fp8_rowwise" else "bf16" for g in layer.layer_recipe.gemms)
+        gemms = layer.layer_recipe.gemms if isinstance(layer, MXFP8Linear) else ("bf16",) * 3
+        static = tuple("fp8" if g == "fp8_rowwise" else "bf16" for g in gemms)
         rows[kind] = (layer.in_features, layer.out_features, event, static,
                       _per_call(layer, tokens, H100), _per_call(layer, tokens, H200))  # fmt: skip
     print(

@@ -80,6 +80,9 @@ def convert(
         keep_last_blocks: keep the last N blocks unconverted (later layers are the most sensitive).
         blocks: path of the ModuleList/ModuleDict of blocks; default: the largest one in the model.
 
+    A layer whose every GEMM the recipe's auto fallback (``fp8_min_speedup > 0``) runs in bf16 at any token
+    count (:meth:`Recipe.for_layer`) also stays an ``nn.Linear``: its graph is then exactly a bf16 run's.
+
     Returns:
         ``model`` itself. Converted layers are ``MXFP8Linear``; the rest are untouched.
     """
@@ -90,8 +93,13 @@ def convert(
         path, names = _find_blocks(model, blocks)
         kept_prefixes = [f"{path}.{n}" if path else n for n in names[-keep_last_blocks:]]
 
+    bf16 = ("bf16",) * 3
+    auto = recipe.fp8_min_speedup > 0 and recipe.gemms != bf16
+
     def keep(name: str, mod: nn.Linear) -> bool:
         if min(mod.in_features, mod.out_features) < min_features:
+            return True
+        if auto and recipe.for_layer(mod.in_features, mod.out_features).gemms == bf16:
             return True
         if any(name == p or name.startswith(p + ".") for p in kept_prefixes):
             return True
