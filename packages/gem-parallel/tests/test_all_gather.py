@@ -90,7 +90,37 @@ def _all_gather_worker(rank: int, world_size: int) -> dict:
             out[fmt]["wrapped"] = wrapped
             out[fmt]["gathered_dtype"] = str(gathered.dtype)
             out[fmt]["gathered_exact"] = bool(torch.equal(gathered, expected))
+    out["meta"] = _meta_built(config, dims, mesh, local)
     return out
+
+
+def _meta_built(config, dims, mesh, local) -> dict:
+    """parallelize's documented meta path: built on the meta device, materialised with ``to_empty`` after
+    ``fully_shard`` (FSDP derives new shards: the rounds must follow them, not the meta ones)."""
+    with torch.device("meta"):
+        model = build_model(config)
+    fsdp = FSDPConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = parallelize(
+        model, dims, mesh, ParallelConfig(all_gather="fp8", all_gather_min_numel=8192, fsdp=fsdp)
+    )
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.fill_(0.01 * (1 + i % 7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = toy_loss(model(local), local)
+    loss.backward()
+    linear = model.layers["0"].ffn.w13
+    expected = _expected_gathered(full(linear.weight.detach()), "fp8")
+    model.layers["0"].unshard()
+    gathered = linear.weight.detach().clone()
+    model.layers["0"].reshard()
+    shard = linear.weight._local_tensor
+    return {
+        "finite": bool(torch.isfinite(loss)),
+        "gathered_exact": bool(torch.equal(gathered, expected)),
+        "round_batches": shard._round.batches if shard._round is not None else -1,
+    }
 
 
 @pytest.mark.distributed
@@ -122,5 +152,7 @@ def test_8bit_all_gather_bytes_weights_and_loss():
             # second step's loss magnifies any difference in the first step's gradients.)
             for a, b in zip(r[fmt]["loss"], r["bf16"]["loss"]):
                 assert abs(a - b) <= 2e-2 * abs(b), (fmt, r[fmt]["loss"], r["bf16"]["loss"])
+        meta = r["meta"]  # built on meta, materialised after parallelize: rounds still batch, bytes exact
+        assert meta["finite"] and meta["gathered_exact"] and meta["round_batches"] >= 2, meta
         # And bf16 itself is within bf16 tolerance of fp32 (the baseline is sane).
         assert abs(r["bf16"]["loss"][0] - r["fp32"]["loss"][0]) <= 5e-3 * r["fp32"]["loss"][0]

@@ -61,3 +61,14 @@ def test_shard_without_round_quantizes_alone():
     assert s.detach()._round is None
     r = AllGatherRound("fp8")
     assert QuantizedAllGatherWeight(torch.randn(3, 64), "fp8", r)[:2]._round is r  # FSDP's slices keep it
+
+
+def test_members_left_on_another_device_are_skipped():
+    """A model built on the meta device and materialised after ``fully_shard`` (``to_empty``): FSDP derives
+    new shards, and the round's first members, still on the meta device, must not join a batch."""
+    round_ = AllGatherRound("fp8")
+    ghost = QuantizedAllGatherWeight(torch.empty(4, 64, device="meta"), "fp8", round_)
+    round_.add(ghost)
+    real = QuantizedAllGatherWeight(torch.randn(4, 64), "fp8", round_)
+    (packed,), _ = real.fsdp_pre_all_gather(None, None, None, None, None)
+    assert torch.equal(packed, quantize_packed(real._tensor, "fp8"))

@@ -204,7 +204,14 @@ class AllGatherRound:
         if kept is not None and kept[0]() is shard and kept[1] == shard._tensor._version:
             return kept[2]
         served = {id(ref()) for ref in self._served}
-        others = [m for ref in self._members if (m := ref()) is not None and id(m) not in served]
+        device = (
+            shard._tensor.device
+        )  # (a member left on another device, e.g. the meta one: not this round's)
+        others = [
+            m
+            for ref in self._members
+            if (m := ref()) is not None and id(m) not in served and m._tensor.device == device
+        ]
         packed = quantize_packed_many([shard._tensor, *(m._tensor for m in others)], self.fmt)
         self.batches += 1
         for m, rows in zip(others, packed[1:]):
