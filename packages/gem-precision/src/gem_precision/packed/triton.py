@@ -154,7 +154,8 @@ UNPACK = (32, 256, 4)
 _INTERP = (16, 64, 1)
 
 # Device tables of launches already made, by the shards' addresses, shapes and strides (which fully determine
-# them): an FSDP round quantizes the same shards every step, so its tables are built and copied once.
+# them) and the stream (a table is copied, read and, once evicted, freed on one stream, as the caching
+# allocator expects): an FSDP round quantizes the same shards every step, so its tables are built once.
 _TABLES: OrderedDict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
 _TABLES_KEPT = 256
 
@@ -164,7 +165,11 @@ def _launch_tables(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(meta int64 [n, 8], prog int32 [P], P)`` on the shards' device (see :func:`_shard_rows`)."""
     x0 = xs[0]
-    key = (x0.device, x0.dtype, br, *((x.data_ptr(), *x.shape, *x.stride(), w) for x, w in zip(xs, widths)))
+    stream = torch.cuda.current_stream(x0.device).cuda_stream if x0.is_cuda else 0
+    key = (
+        x0.device, x0.dtype, stream, br,
+        *((x.data_ptr(), *x.shape, *x.stride(), w) for x, w in zip(xs, widths)),
+    )  # fmt: skip
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)
