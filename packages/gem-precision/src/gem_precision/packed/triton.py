@@ -200,11 +200,9 @@ def quantize_packed_many_triton(
 ) -> list[torch.Tensor]:
     """Packed rows ``uint8 [R_i, widths[i]]`` of every shard ``xs[i] [R_i, K_i]`` (any strides; one dtype and
     device for all) in one launch; the results are contiguous views of one buffer."""
-    out = torch.empty(sum(x.shape[0] * w for x, w in zip(xs, widths)), dtype=torch.uint8, device=xs[0].device)
-    views, off = [], 0
-    for x, w in zip(xs, widths):
-        views.append(out[off : off + x.shape[0] * w].view(x.shape[0], w))
-        off += x.shape[0] * w
+    sizes = [x.shape[0] * w for x, w in zip(xs, widths)]
+    out = torch.empty(sum(sizes), dtype=torch.uint8, device=xs[0].device)
+    views = [part.view(x.shape[0], w) for part, x, w in zip(torch.split(out, sizes), xs, widths)]
     interp = triton_interpreted()
     br, bc, warps = _INTERP if interp else (PACK_ROWWISE if fmt == "fp8" else PACK_MX)
     meta, prog, programs = _launch_tables(xs, widths, br)
