@@ -12,6 +12,11 @@
 #     wsprobe    does this Triton's Hopper warp specialization take on the backward's loop shapes (compile only)
 #     base       bench_speed base-h200: bf16 vs fp8_rowwise (auto), compiled, cold caches; + CUDA graphs
 #     large      bench_speed large-h200: bf16 vs fp8_rowwise (auto), compiled, cold caches; MFU, memory
+#     ffnbench   the SwiGLU FFN at base/large widths: fused backward vs the composition (eager, compiled,
+#                max-autotune), with a sweep of the fused kernel's tiles
+#     ffn        bench_speed base-h200 bf16 with the SwiGLU composition (ffn_off) and the fused one (ffn_on),
+#                profiled: the step's kernel time by kind before and after
+#     largeffn   the same on large-h200 (large_ffn_off, large_ffn_on)
 # Parts that cannot finish before GEM37_DEADLINE_S (default 470 s after the start) are skipped and say so:
 # with cold caches `base` takes ~4 min, `large` ~4-5 min, so run `large` as a second call if it is skipped:
 #   bash tools/gpu_issue37.sh OUT_DIR2 large
@@ -54,7 +59,7 @@ part() {
 part tests 60 bash -c "python3 packages/gem-precision/tests/_triton_packed_checks.py --big && \
   python3 -m pytest -q -p no:cacheprovider -o addopts='' --import-mode=importlib -m gpu --timeout=300 \
   packages/gem-precision/tests/test_packed.py packages/gem-precision/tests/test_rowwise_fallback.py \
-  packages/gem-precision/tests/test_fp8_auto.py"
+  packages/gem-precision/tests/test_fp8_auto.py packages/gem-kernels/tests/test_swiglu_gpu.py"
 part allgather 60 python3 packages/gem-train/benchmarks/bench_all_gather_quant.py --config base --sweep \
   --out "$OUT/allgather"
 part fp8layers 90 python3 packages/gem-precision/benchmarks/bench_fp8_layers.py --out "$OUT/fp8layers"
@@ -64,6 +69,23 @@ part base 240 python3 packages/gem-train/benchmarks/bench_speed.py --config base
   --steps 10 --distinct 3 --prefetch-steps 0 --profile-steps 3 --cuda-graphs bf16 --out "$OUT/base"
 part large 240 python3 packages/gem-train/benchmarks/bench_speed.py --config large-h200 --recipes bf16,fp8_rowwise \
   --steps 6 --distinct 2 --prefetch-steps 0 --profile-steps 0 --out "$OUT/large"
+for fused in false true; do
+  name=ffn_$([[ $fused == true ]] && echo on || echo off)
+  [[ ",$PARTS," == *",ffn,"* ]] && PARTS="$PARTS,$name"
+  part "$name" 150 python3 packages/gem-train/benchmarks/bench_speed.py --config base-h200 --recipes bf16 \
+    --steps 10 --distinct 3 --prefetch-steps 0 --profile-steps 3 --set "model.overrides.fused_ffn=$fused" \
+    --out "$OUT/$name"
+done
+for fused in false true; do
+  name=large_ffn_$([[ $fused == true ]] && echo on || echo off)
+  [[ ",$PARTS," == *",largeffn,"* ]] && PARTS="$PARTS,$name"
+  part "$name" 150 python3 packages/gem-train/benchmarks/bench_speed.py --config large-h200 --recipes bf16 \
+    --steps 8 --distinct 2 --prefetch-steps 0 --profile-steps 2 --set "model.overrides.fused_ffn=$fused" \
+    --out "$OUT/$name"
+done
+# last: it takes what is left (inductor's max-autotune compiles slowly)
+part ffnbench 90 python3 packages/gem-kernels/benchmarks/bench_swiglu.py --sweep --autotune \
+  --out "$OUT/ffnbench/swiglu.json"
 
 python3 tools/gpu_issue37_summary.py "$OUT" | tee "$OUT/summary.txt"
 echo "total $((SECONDS - START)) s"

@@ -95,6 +95,14 @@ def speed(name: str, d: dict[str, Any]) -> list[str]:
         )
         if v.get("cuda_graphs"):
             out.append(_graphs(v["cuda_graphs"]))
+        prof = v.get("profile") or {}
+        if prof.get("share_by_kind") and prof.get("gpu_ms_per_step"):
+            gpu = prof["gpu_ms_per_step"]
+            kinds = ", ".join(f"{k} {gpu * x:.1f}" for k, x in prof["share_by_kind"].items())
+            out.append(f"    GPU {gpu:.1f} ms/step by kind (ms): {kinds}")
+            tops = prof.get("top_kernels", [])[:8]
+            top = ", ".join(f"{t['name'][:48]} {t['ms_per_step']:.2f}" for t in tops)
+            out.append(f"    top kernels (ms): {top}")
     ok = {k: v for k, v in recipes.items() if "error" not in v}
     if "bf16" in ok and "fp8_rowwise" in ok:
         ratio = ok["bf16"]["step_ms_mean"] / ok["fp8_rowwise"]["step_ms_mean"]
@@ -112,9 +120,24 @@ def main(root: str) -> None:
         files = sorted((base / name).glob("*.json")) if (base / name).exists() else []
         d = _load(files[0]) if files else None
         print("\n".join(fn(d)) if d else f"[{name}] no result")
-    for name in ("base", "large"):
+    steps: dict[str, float] = {}
+    for name in ("base", "large", "ffn_off", "ffn_on", "large_ffn_off", "large_ffn_on"):
         d = _load(base / name / "bench_speed.json")
-        print("\n".join(speed(name, d)) if d else f"[{name}] no result")
+        if d is None:
+            if name in ("base", "large"):
+                print(f"[{name}] no result")
+            continue
+        print("\n".join(speed(name, d)))
+        bf16 = d.get("recipes", {}).get("bf16", {})
+        if "step_ms_mean" in bf16:
+            steps[name] = bf16["step_ms_mean"]
+    for off, on in (("ffn_off", "ffn_on"), ("large_ffn_off", "large_ffn_on")):
+        if off in steps and on in steps:
+            print(f"[{on}] fused SwiGLU vs composition, bf16 step: {steps[off] / steps[on]:.3f}x")
+    bench = base / "ffnbench" / "log.txt"
+    if bench.exists():
+        lines = [x for x in bench.read_text().splitlines() if " ms " in x or " vs " in x]
+        print("[ffnbench] " + "\n  ".join(lines))
     ws = base / "wsprobe" / "log.txt"
     if ws.exists():
         print("[wsprobe] " + " | ".join(x.strip() for x in ws.read_text().splitlines() if x.strip()))

@@ -68,11 +68,12 @@ _QUANT = (
     "_block_quant",
 )
 _GEMM = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "matmul", "scaled_mm", "f8f8", "_mx_mm")
-_ATTENTION = ("_fwd_kernel", "_dq_kernel", "_dkdv_kernel", "_fwd_short_kv", "_bwd_short_kv", "_bwd_few_q",
+_ATTENTION = ("_fwd_kernel", "dq_kernel", "dkdv_kernel", "_fwd_short_kv", "_bwd_short_kv", "_bwd_few_q",
               "_block_attention", "attention", "gdpa")  # fmt: skip
 _EAGER = ("elementwise", "reduce", "vectorized", "index", "scatter", "gather")
 KERNEL_KINDS: list[tuple[str, tuple[str, ...]]] = [
     ("fp8 / mx quantization", _QUANT),
+    ("gemm + SwiGLU backward (gem_kernels)", ("swiglu_backward",)),
     ("gemm", _GEMM),
     ("attention (gem_kernels)", _ATTENTION),
     ("jagged / rotary (gem_kernels)", ("_rotary_kernel", "_jagged_", "_padded_to_jagged")),
@@ -261,7 +262,7 @@ def profile(step: Any, n: int, device: torch.device) -> dict[str, Any]:
         by_kind[kernel_kind(evt.key)] += t
         by_kernel[evt.key] += t
     total = sum(by_kind.values()) or 1.0
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:40]
     from loop_profile import host_breakdown, main_thread_of  # this folder (the script's) is on sys.path
 
     events = list(prof.events())

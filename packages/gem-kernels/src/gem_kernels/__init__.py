@@ -17,6 +17,7 @@ from gem_kernels.jagged import (
 )
 from gem_kernels.prewarm import prewarm_triton
 from gem_kernels.rotary import Rotary, apply_rotary
+from gem_kernels.swiglu import swiglu_ffn
 
 __version__ = "0.1.0"
 
@@ -35,5 +36,6 @@ __all__ = [
     "padded_to_jagged",
     "prewarm_triton",
     "set_debug",
+    "swiglu_ffn",
     "use_backend",
 ]

@@ -45,6 +45,9 @@ class GemConfig:
         causal: whether an event attends only to older events (and itself) in self-attention.
         qk_norm: RMS-normalise queries and keys per head before the attention scores.
         ffn_hidden: hidden width of the sequence half's SwiGLU feed-forward (0 = no FFN).
+        fused_ffn: run the SwiGLU through :func:`gem_kernels.swiglu_ffn`: on CUDA its backward's first GEMM
+            and the activation's backward are one kernel (``dh`` kept in fp32, never written); on the CPU
+            it is the plain composition. Same parameters; False: the composition everywhere.
         rotary_base: RoPE base. Rotary positions are temporal (ROTE):
             ``rotary_position_scale * log1p((request_time - timestamp) / time_scale_s)``.
         head_hidden: hidden widths of each task's MLP head.
@@ -101,6 +104,7 @@ class GemConfig:
     causal: bool = True
     qk_norm: bool = True
     ffn_hidden: int = 128
+    fused_ffn: bool = True
     rotary_base: float = 10000.0
     rotary_position_scale: float = 16.0
     time_scale_s: float = 60.0

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+import gem_kernels
+
 __all__ = ["Gating", "RMSNorm", "SwiGLU", "TokenLinear", "init_linear"]
 
 
@@ -101,17 +103,27 @@ class Gating(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Feed-forward ``W2 (silu(W1 x) * W3 x)`` on ``[..., d]`` with hidden width ``hidden``."""
+    """Feed-forward ``W2 (silu(W1 x) * W3 x)`` on ``[..., d]`` with hidden width ``hidden``.
 
-    def __init__(self, d: int, hidden: int, device: torch.device | str | None = None) -> None:
+    ``fused``: through :func:`gem_kernels.swiglu_ffn` (one kernel for the backward's ``dh`` GEMM and the
+    activation's backward on CUDA; the same composition on the CPU) while both projections are plain
+    ``nn.Linear``; a projection another module replaced (an FP8 linear) is called as a module.
+    """
+
+    def __init__(
+        self, d: int, hidden: int, device: torch.device | str | None = None, fused: bool = True
+    ) -> None:
         super().__init__()
         self.w13 = nn.Linear(d, 2 * hidden, bias=False, device=device)
         self.w2 = nn.Linear(hidden, d, bias=False, device=device)
+        self.fused = fused
 
     def reset_parameters(self) -> None:
         init_linear(self.w13)
         init_linear(self.w2)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused and type(self.w13) is nn.Linear and type(self.w2) is nn.Linear:
+            return gem_kernels.swiglu_ffn(x, self.w13.weight, self.w2.weight)
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)

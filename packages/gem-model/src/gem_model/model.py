@@ -242,7 +242,9 @@ class GemLayer(nn.Module):
             rotary_base=config.rotary_base, norm_eps=eps, device=device,
         )  # fmt: skip
         self.ffn_norm = RMSNorm(d, eps=eps, device=device) if config.ffn_hidden else None
-        self.ffn = SwiGLU(d, config.ffn_hidden, device=device) if config.ffn_hidden else None
+        self.ffn = (
+            SwiGLU(d, config.ffn_hidden, device=device, fused=config.fused_ffn) if config.ffn_hidden else None
+        )
         self.dropout = _dropout(config.dropout)  # on each residual branch's output
 
     def reset_parameters(self) -> None:
