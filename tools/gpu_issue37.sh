@@ -12,6 +12,7 @@
 #     wsprobe    does this Triton's Hopper warp specialization take on the backward's loop shapes (compile only)
 #     base       bench_speed base-h200: bf16 vs fp8_rowwise (auto), compiled, cold caches; + CUDA graphs
 #     large      bench_speed large-h200: bf16 vs fp8_rowwise (auto), compiled, cold caches; MFU, memory
+#     ffnsweep   the fused SwiGLU backward's tiles at base/large shapes (its best base tiles go to ffn_on)
 #     ffnbench   the SwiGLU FFN at base/large widths: fused backward vs the composition (eager, compiled,
 #                max-autotune), with a sweep of the fused kernel's tiles
 #     ffn        bench_speed base-h200 bf16 with the SwiGLU composition (ffn_off) and the fused one (ffn_on),
@@ -69,6 +70,11 @@ part base 240 python3 packages/gem-train/benchmarks/bench_speed.py --config base
   --steps 10 --distinct 3 --prefetch-steps 0 --profile-steps 3 --cuda-graphs bf16 --out "$OUT/base"
 part large 240 python3 packages/gem-train/benchmarks/bench_speed.py --config large-h200 --recipes bf16,fp8_rowwise \
   --steps 6 --distinct 2 --prefetch-steps 0 --profile-steps 0 --out "$OUT/large"
+# the fused kernel's tiles at both trunks' shapes; ffn_on then runs the best one found for base
+part ffnsweep 60 python3 packages/gem-kernels/benchmarks/bench_swiglu.py --sweep --steps-only \
+  --out "$OUT/ffnsweep/swiglu.json"
+best=$(grep -s "^best base " "$OUT/ffnsweep/log.txt" | awk '{print $3}')
+[[ -n "$best" ]] && export GEM_KERNELS_SWIGLU_BLOCKS=$best && echo "fused SwiGLU tiles: $best"
 for fused in false true; do
   name=ffn_$([[ $fused == true ]] && echo on || echo off)
   [[ ",$PARTS," == *",ffn,"* ]] && PARTS="$PARTS,$name"

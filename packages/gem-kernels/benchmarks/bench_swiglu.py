@@ -29,15 +29,29 @@ from gem_kernels.swiglu.reference import swiglu_ffn_reference
 from gem_kernels.swiglu.triton import SwiGLUBlocks, default_blocks, swiglu_backward_triton
 
 WORKLOADS = {"base": (180_808, 512, 2048), "large": (36_208, 1024, 4096), "small": (1000, 64, 128)}
-SWEEP = [
-    SwiGLUBlocks(128, 128, 64, 8, 8, 4),
-    SwiGLUBlocks(128, 128, 64, 8, 4, 4),
-    SwiGLUBlocks(128, 256, 64, 8, 8, 3),
-    SwiGLUBlocks(256, 128, 64, 8, 8, 3),
-    SwiGLUBlocks(128, 64, 64, 8, 4, 4),
-    SwiGLUBlocks(64, 128, 64, 8, 4, 4),
-    SwiGLUBlocks(128, 128, 32, 8, 8, 5),
+# (block_m, block_n, block_k, group_m, num_warps, num_stages): tensor-descriptor tiles with and without the
+# gate/up prefetch, a few pointer ones. Chosen offline (ptxas for sm_90, no GPU): call 1 of 2026-12-07 ran
+# 128x128 tiles at 255 registers with ~1 KB of spills per thread (896 GB/s); the epilogue's five fp32 tiles
+# and the pointer tensors' 64-bit addresses are the registers, and pointer loads were not pipelined (the
+# shared memory of one stage). Descriptor loads: 128x64 or 64x128 on 8 warps take 171-184 registers, 64x64
+# on 4 warps 165-172, no spills.
+_TMA_TILES = [
+    (128, 64, 64, 8, 8, 3),
+    (128, 64, 64, 8, 8, 2),
+    (64, 128, 64, 8, 8, 3),
+    (64, 128, 64, 8, 8, 2),
+    (64, 64, 64, 8, 4, 3),
+    (64, 64, 64, 8, 4, 2),
+    (128, 128, 64, 8, 8, 3),
 ]
+SWEEP = [
+    SwiGLUBlocks(),
+    SwiGLUBlocks(128, 64, 64, 8, 8, 3),
+    SwiGLUBlocks(128, 64, 64, 8, 8, 3, prefetch=True),
+    SwiGLUBlocks(64, 64, 64, 8, 4, 3, prefetch=True),
+    *(SwiGLUBlocks(*t, prefetch=p, tma=True) for t in _TMA_TILES for p in (False, True)),
+]
+_SWEEP_AFTER_FIRST = 4  # later workloads time only the first workload's fastest few
 
 
 def _unfused_step(dy: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +94,10 @@ def _rows(name: str, m: int, d: int, hidden: int, args: argparse.Namespace) -> l
     row("step", "cuBLAS mm + inductor pointwise", base_ms)
     dh_ms = timeit(lambda: dy @ w2, args.iters)
     row("step", "  of which the cuBLAS mm", dh_ms)
-    for blocks in SWEEP if args.sweep else [default_blocks(x.device)]:
+    candidates = [default_blocks(x.device)]
+    if args.sweep:
+        candidates = args.shortlist or SWEEP
+    for blocks in candidates:
         try:
             dgu, h = swiglu_backward_triton(dy, w2, gu, blocks)
             err = max(
@@ -92,9 +109,19 @@ def _rows(name: str, m: int, d: int, hidden: int, args: argparse.Namespace) -> l
             print(f"{name} blocks {blocks}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         b = blocks
-        tag = f"fused {b.block_m}x{b.block_n}x{b.block_k} w{b.num_warps} s{b.num_stages}"
+        tag = f"fused {b.block_m}x{b.block_n}x{b.block_k} w{b.num_warps} s{b.num_stages} p{int(b.prefetch)}"
+        tag += " tma" if b.tma else ""
         row("step", tag, ms, vs_unfused=round(base_ms / ms, 3), rel_err_vs_unfused=f"{err:.1e}")
+        rows[-1]["blocks"] = b.csv()
+    fused = sorted((r for r in rows if "blocks" in r), key=lambda r: r["ms"])
+    if fused:
+        best = fused[0]
+        if args.sweep and not args.shortlist:
+            args.shortlist = [SwiGLUBlocks.parse(r["blocks"]) for r in fused[:_SWEEP_AFTER_FIRST]]
+        print(f"best {name} {best['blocks']} {best['ms']:.3f} ms {best['vs_unfused']}x", flush=True)
 
+    if args.steps_only:
+        return rows
     # The whole FFN, forward + backward.
     leaves = [t.clone().requires_grad_(True) for t in (x, w13, w2)]
     dy_out = torch.randn(m, d, device=dev, dtype=bf, generator=g)
@@ -140,9 +167,11 @@ def main() -> None:
     p.add_argument("--workloads", default="base,large")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="time every kernel config of SWEEP")
+    p.add_argument("--steps-only", action="store_true", help="only the backward step rows")
     p.add_argument("--autotune", action="store_true", help="also inductor's max-autotune (slow to compile)")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    args.shortlist = []
     if not torch.cuda.is_available():
         raise SystemExit("bench_swiglu needs a CUDA GPU")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)

@@ -5,7 +5,7 @@ case runs :func:`gem_kernels.swiglu_ffn` with the backend forced to ``triton``, 
 fresh random inputs, and compares the output and the three gradients with the fp64 reference; the error of
 the plain composition run in the same dtype is reported alongside, as the yardstick. Ragged shapes: M of
 0, 1 and not a multiple of the 16-row block; H and K not multiples of the 16-wide blocks (K = 24 takes the
-masked K loop). Prints ``JSON:`` and a list of results.
+masked K loop), with the gate/up loads before and after the K loop. Prints ``JSON:`` and a list of results.
 """
 
 from __future__ import annotations
@@ -62,9 +62,15 @@ def main() -> None:
             w2 = torch.randn(d_out, hidden, generator=g) / hidden**0.5
             dy = torch.randn(*lead, d_out, generator=g)
             inputs = [t.to(dtype) for t in (x, w13, w2)]
+            # fp32 cases take the interpreter's default tiles (pointer loads, gate/up prefetched), fp16 ones
+            # the same tiles through tensor descriptors with gate/up loaded after the K loop (the descriptor
+            # path runs only where H is a multiple of 16 and rows are 16-byte aligned: else pointers).
+            os.environ[st.BLOCKS_ENV] = "" if dtype == torch.float32 else "16,16,16,2,1,1,0,1"
             before = LAUNCHES["n"]
+            tma_before = st.launches["tma"]
             got = _grads(lambda *a: swiglu_ffn(*a, backend="triton"), inputs, dy)
             launched = LAUNCHES["n"] - before
+            tma = st.launches["tma"] - tma_before
             same = _grads(swiglu_ffn_reference, inputs, dy)
             exact = _grads(swiglu_ffn_reference, [t.double() for t in inputs], dy.double())
             m = x.numel() // d
@@ -76,6 +82,9 @@ def main() -> None:
                 "finite": all(bool(t.isfinite().all()) for t in got),
                 "dtypes": [str(t.dtype) for t in got],
                 "launched": launched,
+                "tma": tma,
+                "H": hidden,
+                "M": m,
             })  # fmt: skip
     print("JSON:" + json.dumps(results))
 

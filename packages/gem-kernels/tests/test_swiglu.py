@@ -30,6 +30,9 @@ def test_kernel_ran_with_finite_outputs_in_the_input_dtype(interpreter_results):
         assert r["finite"], r["name"]
         assert set(r["dtypes"]) == {r["dtype"]}, r
         assert r["launched"] == 1, r  # the fused path ran: one kernel call per backward
+        # fp16 cases ask for tensor descriptors: taken where H is whole 16-wide tiles (rows aligned here)
+        want_tma = r["dtype"] == "torch.float16" and r["H"] % 16 == 0 and r["M"] > 0
+        assert r["tma"] == int(want_tma), r
 
 
 def _inputs(m=9, d=6, hidden=5, d_out=7, dtype=torch.float64, seed=0):
@@ -102,6 +105,19 @@ def test_errors(shapes, match):
     x, w13, w2 = (torch.randn(*s) for s in shapes)
     with pytest.raises(ValueError, match=match):
         swiglu_ffn(x, w13, w2)
+
+
+def test_blocks_from_the_environment(monkeypatch):
+    from gem_kernels.swiglu.triton import BLOCKS_ENV, SwiGLUBlocks, default_blocks
+
+    monkeypatch.setenv(BLOCKS_ENV, "64,128,64,8,4,2,1")
+    assert default_blocks(torch.device("cpu")) == SwiGLUBlocks(64, 128, 64, 8, 4, 2, prefetch=True)
+    monkeypatch.setenv(BLOCKS_ENV, "64,128,64,8,4,2,0,1")
+    assert default_blocks(torch.device("cpu")).tma
+    assert SwiGLUBlocks.parse(SwiGLUBlocks(tma=True).csv()) == SwiGLUBlocks(tma=True)
+    monkeypatch.setenv(BLOCKS_ENV, "64,128")
+    with pytest.raises(ValueError, match="7 or 8 comma-separated"):
+        default_blocks(torch.device("cpu"))
 
 
 def test_rejects_integer_inputs():

@@ -13,18 +13,34 @@ Program: one ``BLOCK_M x BLOCK_N`` tile of ``dh`` (tiles grouped by ``GROUP_M`` 
 
 from __future__ import annotations
 
+import collections
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from gem_kernels.dispatch import triton_interpreted
+
 __all__ = ["SwiGLUBlocks", "default_blocks", "swiglu_backward_triton"]
+
+
+BLOCKS_ENV = "GEM_KERNELS_SWIGLU_BLOCKS"
+# Launches by path ("tma" | "pointer"): tests read which one ran.
+launches: collections.Counter[str] = collections.Counter()
 
 
 @dataclass(frozen=True)
 class SwiGLUBlocks:
-    """Tile sizes and launch options of the fused backward kernel."""
+    """Tile sizes and launch options of the fused backward kernel.
+
+    ``prefetch``: load the tile's ``gate`` and ``up`` before the K loop, so their latency hides behind the
+    GEMM (at the cost of holding them in registers through it). ``tma``: every load and store through
+    device-side tensor descriptors (sm_90+; used only where the hidden width is a multiple of ``block_n``
+    and the rows 16-byte aligned, else the pointer path runs): bulk copies with no per-thread addresses,
+    rows past M read as 0 and never written.
+    """
 
     block_m: int = 128
     block_n: int = 128
@@ -32,13 +48,32 @@ class SwiGLUBlocks:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 4
+    prefetch: bool = False
+    tma: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> SwiGLUBlocks:
+        """From ``"block_m,block_n,block_k,group_m,num_warps,num_stages,prefetch[,tma]"`` (flags 0 or 1)."""
+        parts = text.split(",")
+        if len(parts) not in (7, 8) or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"{BLOCKS_ENV} must be 7 or 8 comma-separated integers, got {text!r}")
+        values = [int(p) for p in parts]
+        return cls(*values[:6], prefetch=bool(values[6]), tma=bool(values[7]) if len(values) == 8 else False)
+
+    def csv(self) -> str:
+        """The :meth:`parse` form."""
+        return ",".join(str(int(v)) for v in vars(self).values())
 
 
 def default_blocks(device: torch.device) -> SwiGLUBlocks:
-    """The tiles a launch uses: Hopper-sized on CUDA, the smallest legal ones in the CPU interpreter."""
+    """The tiles a launch uses: ``$GEM_KERNELS_SWIGLU_BLOCKS`` if set, else Hopper-sized ones on CUDA and
+    the smallest legal ones in the CPU interpreter."""
+    text = os.environ.get(BLOCKS_ENV, "")
+    if text:
+        return SwiGLUBlocks.parse(text)
     if device.type == "cuda":
         return SwiGLUBlocks()
-    return SwiGLUBlocks(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
+    return SwiGLUBlocks(16, 16, 16, group_m=2, num_warps=1, num_stages=1, prefetch=True)
 
 
 @triton.jit
@@ -46,7 +81,7 @@ def _swiglu_backward_kernel(
     DY, W2, GU, DGU, Hout, M, H, K,
     stride_dy_m, stride_dy_k, stride_w_k, stride_w_n, stride_gu_m, stride_dgu_m, stride_h_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr, USE_TMA: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -57,6 +92,39 @@ def _swiglu_backward_kernel(
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
 
+    if USE_TMA:
+        _tma_tile(DY, W2, GU, DGU, Hout, M, H, K, stride_dy_m, stride_w_k, stride_gu_m, stride_dgu_m,
+                  stride_h_m, pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+                  PREFETCH)  # fmt: skip
+    else:
+        _pointer_tile(DY, W2, GU, DGU, Hout, M, H, K, stride_dy_m, stride_dy_k, stride_w_k, stride_w_n,
+                      stride_gu_m, stride_dgu_m, stride_h_m, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                      EVEN_K, IEEE, PREFETCH)  # fmt: skip
+
+
+@triton.jit
+def _epilogue(acc, gate, up):
+    """The SwiGLU backward on the fp32 tile ``acc`` of dh: ``(dgate, dup, h)`` in fp32."""
+    gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    return acc * up * sig * (1.0 + gate * (1.0 - sig)), acc * silu, silu * up
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _pointer_tile(DY, W2, GU, DGU, Hout, M, H, K, stride_dy_m, stride_dy_k, stride_w_k, stride_w_n,
+                  stride_gu_m, stride_dgu_m, stride_h_m, pid_m, pid_n, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                  PREFETCH: tl.constexpr):  # fmt: skip
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -64,6 +132,11 @@ def _swiglu_backward_kernel(
     col_ok = cols < H
     a_ptrs = DY + rows[:, None] * stride_dy_m + ks[None, :] * stride_dy_k
     b_ptrs = W2 + ks[:, None] * stride_w_k + cols[None, :] * stride_w_n
+    mask = row_ok[:, None] & col_ok[None, :]
+    gu_ptrs = GU + rows[:, None] * stride_gu_m + cols[None, :]
+    if PREFETCH:
+        gate = tl.load(gu_ptrs, mask=mask, other=0.0)
+        up = tl.load(gu_ptrs + H, mask=mask, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -73,27 +146,53 @@ def _swiglu_backward_kernel(
             k_ok = (k0 + ks) < K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _dot(a, b, acc, IEEE)
         a_ptrs += BLOCK_K * stride_dy_k
         b_ptrs += BLOCK_K * stride_w_k
-
-    # Epilogue: the SwiGLU backward on the fp32 tile of dh; gate = gu[:, :H], up = gu[:, H:].
-    mask = row_ok[:, None] & col_ok[None, :]
-    gu_ptrs = GU + rows[:, None] * stride_gu_m + cols[None, :]
-    gate = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptrs + H, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    dgate = acc * up * sig * (1.0 + gate * (1.0 - sig))
-    dup = acc * silu
+    # gate = gu[:, :H], up = gu[:, H:]
+    if not PREFETCH:
+        gate = tl.load(gu_ptrs, mask=mask, other=0.0)
+        up = tl.load(gu_ptrs + H, mask=mask, other=0.0)
+    dgate, dup, h = _epilogue(acc, gate, up)
     dt = DGU.dtype.element_ty
     dgu_ptrs = DGU + rows[:, None] * stride_dgu_m + cols[None, :]
     tl.store(dgu_ptrs, dgate.to(dt), mask=mask)
     tl.store(dgu_ptrs + H, dup.to(dt), mask=mask)
-    tl.store(Hout + rows[:, None] * stride_h_m + cols[None, :], (silu * up).to(dt), mask=mask)
+    tl.store(Hout + rows[:, None] * stride_h_m + cols[None, :], h.to(dt), mask=mask)
+
+
+@triton.jit
+def _desc(X, rows, cols, stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A ``[BLOCK_R, BLOCK_C]`` tensor descriptor over ``X`` ``[rows, cols]`` (row stride ``stride``)."""
+    return tl.make_tensor_descriptor(
+        X, shape=[rows, cols], strides=[stride, 1], block_shape=[BLOCK_R, BLOCK_C]
+    )
+
+
+@triton.jit
+def _tma_tile(DY, W2, GU, DGU, Hout, M, H, K, stride_dy_m, stride_w_k, stride_gu_m, stride_dgu_m,
+              stride_h_m, row0, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              IEEE: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    # H % BLOCK_N == 0 (the launcher checks), so a gate tile never reaches into up's columns.
+    dy_d = _desc(DY, M, K, stride_dy_m, BLOCK_M, BLOCK_K)
+    w_d = _desc(W2, K, H, stride_w_k, BLOCK_K, BLOCK_N)
+    gu_d = _desc(GU, M, 2 * H, stride_gu_m, BLOCK_M, BLOCK_N)
+    dgu_d = _desc(DGU, M, 2 * H, stride_dgu_m, BLOCK_M, BLOCK_N)
+    h_d = _desc(Hout, M, H, stride_h_m, BLOCK_M, BLOCK_N)
+    if PREFETCH:
+        gate = gu_d.load([row0, col0])
+        up = gu_d.load([row0, H + col0])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # columns past K read as 0
+        acc = _dot(dy_d.load([row0, k0]), w_d.load([k0, col0]), acc, IEEE)
+    if not PREFETCH:
+        gate = gu_d.load([row0, col0])
+        up = gu_d.load([row0, H + col0])
+    dgate, dup, h = _epilogue(acc, gate, up)
+    dt = DGU.dtype.element_ty
+    dgu_d.store([row0, col0], dgate.to(dt))
+    dgu_d.store([row0, H + col0], dup.to(dt))
+    h_d.store([row0, col0], h.to(dt))
 
 
 def swiglu_backward_triton(
@@ -110,15 +209,37 @@ def swiglu_backward_triton(
     if k == 0:  # dh = 0: a GEMM over an empty K
         return torch.zeros_like(gu), swiglu_activation(gu)
     b = blocks or default_blocks(dy.device)
+    use_tma = b.tma and _tma_ok(dy, w2, gu, dgu, h, b)
+    if use_tma and not triton_interpreted():
+        triton.set_allocator(_scratch)  # every launch: a ContextVar the backward's thread may not have
+    launches["tma" if use_tma else "pointer"] += 1
     grid = (triton.cdiv(m, b.block_m) * triton.cdiv(hidden, b.block_n),)
     _swiglu_backward_kernel[grid](
         dy, w2, gu, dgu, h, m, hidden, k,
         dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), gu.stride(0), dgu.stride(0), h.stride(0),
         BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k, GROUP_M=b.group_m,
-        EVEN_K=k % b.block_k == 0, IEEE=dy.dtype == torch.float32,
+        EVEN_K=k % b.block_k == 0, IEEE=dy.dtype == torch.float32, PREFETCH=b.prefetch,
+        USE_TMA=use_tma,
         num_warps=b.num_warps, num_stages=b.num_stages,
     )  # fmt: skip
     return dgu, h
+
+
+def _tma_ok(*args: object) -> bool:
+    """Whether the descriptors can address these tensors: unit inner strides, 16-byte aligned rows and
+    bases, and a hidden width in whole column tiles."""
+    *tensors, b = args
+    ts = [t for t in tensors if isinstance(t, torch.Tensor)]
+    assert isinstance(b, SwiGLUBlocks)
+    hidden = ts[1].shape[1]
+    return hidden % b.block_n == 0 and all(
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in ts
+    )
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch of the device-side tensor descriptors (``triton.set_allocator``)."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def swiglu_activation(gu: torch.Tensor) -> torch.Tensor:
