@@ -1,14 +1,14 @@
-"""Compiles the jagged helpers', rotary's and block attention's Triton kernels for sm_90 (Hopper) as their
-launchers launch them, with no GPU.
+"""Compiles the jagged helpers', rotary's, block attention's and the SwiGLU backward's Triton kernels for
+sm_90 (Hopper) as their launchers launch them, with no GPU.
 
 Each launcher (``jagged_to_padded_triton``, ``padded_to_jagged_triton``, ``jagged_mean_triton``,
-``rotary_triton``, ``block_attention_fwd`` / ``_bwd``) runs on CPU tensors with its launches recorded, not
-run (:func:`sm90_offline.record_launches`), and each launch is compiled for ``GPUTarget("cuda", 90, 32)``
-with its argument types, constexprs, warps and stages (:func:`sm90_offline.compile_launch`). Prints one
-line per kernel (shared memory; ``--regs``: ptxas registers and spills); ``--ptx-dir DIR`` writes each
-kernel's PTX without debug information, for a before/after ``diff -r``. (The attention kernels:
-``compile_sm90.py``; the block kernels at the benchmark shape with their registers:
-``block_registers_sm90.py``.)
+``rotary_triton``, ``block_attention_fwd`` / ``_bwd``, ``swiglu_backward_triton``) runs on CPU tensors with
+its launches recorded, not run (:func:`sm90_offline.record_launches`), and each launch is compiled for
+``GPUTarget("cuda", 90, 32)`` with its argument types, constexprs, warps and stages
+(:func:`sm90_offline.compile_launch`). Prints one line per kernel (shared memory; ``--regs``: ptxas
+registers and spills); ``--ptx-dir DIR`` writes each kernel's PTX without debug information, for a
+before/after ``diff -r``. (The attention kernels: ``compile_sm90.py``; the block kernels at the benchmark
+shape with their registers: ``block_registers_sm90.py``.)
 
     export PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':')
     python packages/gem-kernels/benchmarks/launches_sm90.py [--ptx-dir DIR] [--regs]
@@ -17,6 +17,7 @@ kernel's PTX without debug information, for a before/after ``diff -r``. (The att
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 
@@ -30,6 +31,7 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 from gem_kernels.block import triton as block_triton
 from gem_kernels.jagged import triton as jagged_triton
 from gem_kernels.rotary import triton as rotary_triton
+from gem_kernels.swiglu import triton as swiglu_triton
 
 
 def launches() -> list[Launch]:
@@ -87,6 +89,17 @@ def launches() -> list[Launch]:
                         f"{tag} bwd",
                         lambda args=args: block_triton.block_attention_bwd(do, q, k, v, q, *args),
                     )
+    # The fused SwiGLU backward at base's widths (d 512, H 2048), bf16: its CUDA default tiles, and the
+    # same tiles through pointers (what runs where descriptors cannot address the tensors).
+    dy, w2, gu = (
+        torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((999, 512), (512, 2048), (999, 4096))
+    )
+    cuda_blocks = swiglu_triton.default_blocks(torch.device("cuda"))
+    for blocks in (cuda_blocks, dataclasses.replace(cuda_blocks, tma=False)):
+        out += record_launches(
+            f"swiglu backward {blocks.csv()}",
+            lambda b=blocks: swiglu_triton.swiglu_backward_triton(dy, w2, gu, b),
+        )
     return out
 
 

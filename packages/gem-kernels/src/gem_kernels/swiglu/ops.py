@@ -44,20 +44,17 @@ class _SwiGLUFFN(torch.autograd.Function):
     """x ``[M, d]``, w13 ``[2H, d]``, w2 ``[d_out, H]`` (one dtype) -> ``[M, d_out]``."""
 
     @staticmethod
-    def forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, use_kernel: bool) -> Any:
+    def forward(ctx: Any, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, use_kernel: bool) -> Any:
         gu = F.linear(x, w13)
         gate, up = gu.chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w2), gu
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, w13, w2, use_kernel = inputs
-        ctx.save_for_backward(x, w13, w2, output[1])
+        # gu is saved, not returned: an extra output would get a materialised zero gradient (a memset of
+        # [M, 2H]) in every backward.
+        ctx.save_for_backward(x, w13, w2, gu)
         ctx.use_kernel = use_kernel
-        ctx.mark_non_differentiable(output[1])
+        return F.linear(F.silu(gate) * up, w2)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor, _dgu: Any) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w13, w2, gu = ctx.saved_tensors
         dgu, h = _swiglu_backward_op(dy.contiguous(), w2, gu, ctx.use_kernel)
         dx = dgu @ w13 if ctx.needs_input_grad[0] else None
@@ -113,5 +110,5 @@ def swiglu_ffn(
         check_same(("x", "w13", "w2"), (x, w13, w2), "dtype")
     lead = x.shape[:-1]
     with torch.autocast(device_type, enabled=False):
-        y, _ = _SwiGLUFFN.apply(x.reshape(-1, x.shape[-1]), w13, w2, True)
+        y = _SwiGLUFFN.apply(x.reshape(-1, x.shape[-1]), w13, w2, True)
     return y.reshape(*lead, w2.shape[0])
