@@ -17,7 +17,6 @@ shape with their registers: ``block_registers_sm90.py``.)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 
@@ -89,13 +88,12 @@ def launches() -> list[Launch]:
                         f"{tag} bwd",
                         lambda args=args: block_triton.block_attention_bwd(do, q, k, v, q, *args),
                     )
-    # The fused SwiGLU backward at base's widths (d 512, H 2048), bf16: its CUDA default tiles, and the
-    # same tiles through pointers (what runs where descriptors cannot address the tensors).
+    # The fused SwiGLU backward at base's widths (d 512, H 2048), bf16: its CUDA defaults (descriptors on
+    # sm_90+, pointers before or where descriptors cannot address the tensors).
     dy, w2, gu = (
         torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((999, 512), (512, 2048), (999, 4096))
     )
-    cuda_blocks = swiglu_triton.default_blocks(torch.device("cuda"))
-    for blocks in (cuda_blocks, dataclasses.replace(cuda_blocks, tma=False)):
+    for blocks in (swiglu_triton.CUDA_TMA_BLOCKS, swiglu_triton.CUDA_POINTER_BLOCKS):
         out += record_launches(
             f"swiglu backward {blocks.csv()}",
             lambda b=blocks: swiglu_triton.swiglu_backward_triton(dy, w2, gu, b),
