@@ -17,6 +17,7 @@ shape with their registers: ``block_registers_sm90.py``.)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 
@@ -93,7 +94,8 @@ def launches() -> list[Launch]:
     dy, w2, gu = (
         torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((999, 512), (512, 2048), (999, 4096))
     )
-    for blocks in (swiglu_triton.CUDA_TMA_BLOCKS, swiglu_triton.CUDA_POINTER_BLOCKS):
+    cuda = swiglu_triton.CUDA_BLOCKS
+    for blocks in (cuda, dataclasses.replace(cuda, tma=True)):
         out += record_launches(
             f"swiglu backward {blocks.csv()}",
             lambda b=blocks: swiglu_triton.swiglu_backward_triton(dy, w2, gu, b),

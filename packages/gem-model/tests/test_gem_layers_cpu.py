@@ -1,5 +1,5 @@
-"""CPU forms of gem-model's layers against PyTorch's own: ``RMSNorm``'s three-pass CPU path and the Wukong
-FM block's ``Y^T X``.
+"""CPU forms of gem-model's layers against PyTorch's own: ``RMSNorm``'s three-pass CPU path, the Wukong
+FM block's ``Y^T X`` and the SwiGLU's ``fused`` flag.
 
 Tolerances: the RMSNorm path takes the mean square as the squared norm (one extra rounding of the
 accumulation dtype) and multiplies by the inverse in another order than PyTorch's composite, so the two
@@ -70,3 +70,37 @@ def test_wukong_layer_matches_its_einsum_form():
     want = torch.autograd.grad(ref, (x, layer.fm_y), go)
     for a, w in zip(got, want, strict=True):
         assert _rel(a, w) < 1e-13
+
+
+class _ReplacedLinear(torch.nn.Linear):
+    """Stands for a linear another package swapped in (an FP8 linear): counts its calls."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        return super().forward(x)
+
+
+def test_swiglu_fused_flag_same_values_and_replaced_projections_are_called():
+    from gem_model.layers import SwiGLU
+
+    g = torch.Generator().manual_seed(0)
+    plain, fused = SwiGLU(8, 12), SwiGLU(8, 12, fused=True)
+    fused.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 5, 8, generator=g)
+    # On the CPU gem_kernels.swiglu_ffn is the composition (autograd's own nodes, not the fused function):
+    # the same values and gradients (to MKL's run-to-run rounding: 1e-6 relative).
+    out_plain, out_fused = plain(x), fused(x)
+    assert "SwiGLU" not in out_fused.grad_fn.name()
+    torch.testing.assert_close(out_fused, out_plain, rtol=1e-6, atol=1e-7)
+    out_plain.square().sum().backward()
+    out_fused.square().sum().backward()
+    for a, b in zip(plain.parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+    # A projection replaced by another module is called as a module, not bypassed through its weight.
+    swapped = _ReplacedLinear(8, 24, bias=False)
+    swapped.load_state_dict(fused.w13.state_dict())
+    fused.w13 = swapped
+    torch.testing.assert_close(fused(x), out_plain.detach(), rtol=1e-6, atol=1e-7)
+    assert _ReplacedLinear.calls == 1

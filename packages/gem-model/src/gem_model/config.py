@@ -46,8 +46,10 @@ class GemConfig:
         qk_norm: RMS-normalise queries and keys per head before the attention scores.
         ffn_hidden: hidden width of the sequence half's SwiGLU feed-forward (0 = no FFN).
         fused_ffn: run the SwiGLU through :func:`gem_kernels.swiglu_ffn`: on CUDA its backward's first GEMM
-            and the activation's backward are one kernel (``dh`` kept in fp32, never written); on the CPU
-            it is the plain composition. Same parameters; False: the composition everywhere.
+            and the activation's backward are one Triton kernel (``dh`` kept in fp32, never written: 3-4 GiB
+            less peak memory on base-h200 and large-h200); on the CPU it is the plain composition. Same
+            parameters. Off by default: on an H100 the bf16 step ran 0.989x (base-h200) and 0.949x
+            (large-h200) of the composition's (gem-train BENCHMARKS.md, issue 37 item 2).
         rotary_base: RoPE base. Rotary positions are temporal (ROTE):
             ``rotary_position_scale * log1p((request_time - timestamp) / time_scale_s)``.
         head_hidden: hidden widths of each task's MLP head.
@@ -104,7 +106,7 @@ class GemConfig:
     causal: bool = True
     qk_norm: bool = True
     ffn_hidden: int = 128
-    fused_ffn: bool = True
+    fused_ffn: bool = False
     rotary_base: float = 10000.0
     rotary_position_scale: float = 16.0
     time_scale_s: float = 60.0

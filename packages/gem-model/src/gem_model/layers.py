@@ -111,7 +111,7 @@ class SwiGLU(nn.Module):
     """
 
     def __init__(
-        self, d: int, hidden: int, device: torch.device | str | None = None, fused: bool = True
+        self, d: int, hidden: int, device: torch.device | str | None = None, fused: bool = False
     ) -> None:
         super().__init__()
         self.w13 = nn.Linear(d, 2 * hidden, bias=False, device=device)

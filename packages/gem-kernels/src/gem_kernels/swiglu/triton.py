@@ -39,7 +39,8 @@ class SwiGLUBlocks:
     GEMM (at the cost of holding them in registers through it). ``tma``: every load and store through
     device-side tensor descriptors (sm_90+; used only where the hidden width is a multiple of ``block_n``
     and the rows 16-byte aligned, else the pointer path runs): bulk copies with no per-thread addresses,
-    rows past M read as 0 and never written.
+    rows past M read as 0 and never written. Slower than pointers on the H100 (by 1.3x at the best tiles
+    of each): kept for the sweep and for other GPUs.
     """
 
     block_m: int = 128
@@ -65,21 +66,20 @@ class SwiGLUBlocks:
         return ",".join(str(int(v)) for v in vars(self).values())
 
 
-# CUDA defaults: tensor descriptors on sm_90+ (device-side TMA), pointers before. Neither spills (ptxas for
-# sm_90: 171 and 255 registers); the descriptor tiles are the fastest of bench_swiglu.py's sweep.
-CUDA_TMA_BLOCKS = SwiGLUBlocks(128, 64, 64, 8, 8, 3, prefetch=False, tma=True)
-CUDA_POINTER_BLOCKS = SwiGLUBlocks(128, 64, 64, 8, 8, 3, prefetch=True)
+# The CUDA default: the fastest tiles of bench_swiglu.py's sweep on an H100 (2026-12-07: 2.43 ms at base's
+# [180808 x 512] x [512 x 2048], against 3.18 ms for the best descriptor tiles and 4.04 ms for 128x128 tiles;
+# gem-train BENCHMARKS.md). 254 registers, no spills (ptxas, sm_90).
+CUDA_BLOCKS = SwiGLUBlocks(64, 64, 64, 8, 4, 3, prefetch=True)
 
 
 def default_blocks(device: torch.device) -> SwiGLUBlocks:
-    """The tiles a launch uses: ``$GEM_KERNELS_SWIGLU_BLOCKS`` if set, else :data:`CUDA_TMA_BLOCKS` on
-    sm_90+, :data:`CUDA_POINTER_BLOCKS` on older GPUs, and the smallest legal tiles in the CPU interpreter."""
+    """The tiles a launch uses: ``$GEM_KERNELS_SWIGLU_BLOCKS`` if set, else :data:`CUDA_BLOCKS` on CUDA and
+    the smallest legal tiles in the CPU interpreter."""
     text = os.environ.get(BLOCKS_ENV, "")
     if text:
         return SwiGLUBlocks.parse(text)
     if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        return CUDA_TMA_BLOCKS if major >= 9 else CUDA_POINTER_BLOCKS
+        return CUDA_BLOCKS
     return SwiGLUBlocks(16, 16, 16, group_m=2, num_warps=1, num_stages=1, prefetch=True)
 
 
