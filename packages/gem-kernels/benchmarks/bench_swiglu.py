@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -26,7 +27,7 @@ from common import timeit
 
 from gem_kernels import swiglu_ffn
 from gem_kernels.swiglu.reference import swiglu_ffn_reference
-from gem_kernels.swiglu.triton import SwiGLUBlocks, default_blocks, swiglu_backward_triton
+from gem_kernels.swiglu.triton import BLOCKS_ENV, SwiGLUBlocks, default_blocks, swiglu_backward_triton
 
 WORKLOADS = {"base": (180_808, 512, 2048), "large": (36_208, 1024, 4096), "small": (1000, 64, 128)}
 # (block_m, block_n, block_k, group_m, num_warps, num_stages): tensor-descriptor tiles with and without the
@@ -44,12 +45,19 @@ _TMA_TILES = [
     (64, 64, 64, 8, 4, 2),
     (128, 128, 64, 8, 8, 3),
 ]
+# The persistent warp-specialized kernel: tiles that Triton specializes without spills (ptxas, sm_90).
+WS_SWEEP = [
+    SwiGLUBlocks(64, 64, 64, 8, 4, stages, tma=True, persistent=per_sm)
+    for stages in (2, 3, 4)
+    for per_sm in (1, 2, 3)
+]
 SWEEP = [
     SwiGLUBlocks(),
     SwiGLUBlocks(128, 64, 64, 8, 8, 3),
     SwiGLUBlocks(128, 64, 64, 8, 8, 3, prefetch=True),
     SwiGLUBlocks(64, 64, 64, 8, 4, 3, prefetch=True),
     *(SwiGLUBlocks(*t, prefetch=p, tma=True) for t in _TMA_TILES for p in (False, True)),
+    *WS_SWEEP,
 ]
 _SWEEP_AFTER_FIRST = 4  # later workloads time only the first workload's fastest few
 
@@ -95,7 +103,9 @@ def _rows(name: str, m: int, d: int, hidden: int, args: argparse.Namespace) -> l
     dh_ms = timeit(lambda: dy @ w2, args.iters)
     row("step", "  of which the cuBLAS mm", dh_ms)
     candidates = [default_blocks(x.device)]
-    if args.sweep:
+    if args.blocks:
+        candidates = args.shortlist or [SwiGLUBlocks.parse(t) for t in args.blocks.split(";")]
+    elif args.sweep:
         candidates = args.shortlist or SWEEP
     for blocks in candidates:
         try:
@@ -111,13 +121,16 @@ def _rows(name: str, m: int, d: int, hidden: int, args: argparse.Namespace) -> l
         b = blocks
         tag = f"fused {b.block_m}x{b.block_n}x{b.block_k} w{b.num_warps} s{b.num_stages} p{int(b.prefetch)}"
         tag += " tma" if b.tma else ""
+        tag += f" persistent x{b.persistent}" if b.persistent else ""
         row("step", tag, ms, vs_unfused=round(base_ms / ms, 3), rel_err_vs_unfused=f"{err:.1e}")
         rows[-1]["blocks"] = b.csv()
     fused = sorted((r for r in rows if "blocks" in r), key=lambda r: r["ms"])
     if fused:
         best = fused[0]
-        if args.sweep and not args.shortlist:
+        if (args.sweep or args.blocks) and not args.shortlist:
             args.shortlist = [SwiGLUBlocks.parse(r["blocks"]) for r in fused[:_SWEEP_AFTER_FIRST]]
+        if args.sweep or args.blocks:  # the FFN rows below run the fastest tiles of this workload
+            os.environ[BLOCKS_ENV] = best["blocks"]
         print(f"best {name} {best['blocks']} {best['ms']:.3f} ms {best['vs_unfused']}x", flush=True)
 
     if args.steps_only:
@@ -167,6 +180,7 @@ def main() -> None:
     p.add_argument("--workloads", default="base,large")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="time every kernel config of SWEEP")
+    p.add_argument("--blocks", default="", help="time these tiles (';'-separated SwiGLUBlocks.parse forms)")
     p.add_argument("--steps-only", action="store_true", help="only the backward step rows")
     p.add_argument("--autotune", action="store_true", help="also inductor's max-autotune (slow to compile)")
     p.add_argument("--out", default="")

@@ -53,6 +53,7 @@ def main() -> None:
         ((37,), 32, 48, 16),
         ((3, 11), 24, 24, 40),  # K = 24: masked K loop; H = 24, d_out = 40: partial column tiles
         ((70,), 48, 40, 32),
+        ((45,), 32, 32, 24),  # persistent (odd seed): 6 tiles over 3 programs; K = 24 read past its end as 0
     ]
     for seed, (lead, d, hidden, d_out) in enumerate(cases):
         for dtype in (torch.float32, torch.float16):  # the interpreter's bf16 tl.dot is wrong (GPU tests)
@@ -63,14 +64,18 @@ def main() -> None:
             dy = torch.randn(*lead, d_out, generator=g)
             inputs = [t.to(dtype) for t in (x, w13, w2)]
             # fp32 cases take the interpreter's default tiles (pointer loads, gate/up prefetched), fp16 ones
-            # the same tiles through tensor descriptors with gate/up loaded after the K loop (the descriptor
-            # path runs only where H is a multiple of 16 and rows are 16-byte aligned: else pointers).
-            os.environ[st.BLOCKS_ENV] = "" if dtype == torch.float32 else "16,16,16,2,1,1,0,1"
+            # the same tiles through tensor descriptors with gate/up loaded after the K loop, alternately one
+            # program per tile and the persistent kernel (3 programs looping over the tiles). Descriptors run
+            # only where H is a multiple of 16 and rows are 16-byte aligned: else pointers.
+            fp16 = "16,16,16,2,1,1,0,1" + (",1" if seed % 2 else "")
+            os.environ[st.BLOCKS_ENV] = "" if dtype == torch.float32 else fp16
             before = LAUNCHES["n"]
-            tma_before = st.launches["tma"]
+            paths_before = dict(st.launches)
             got = _grads(lambda *a: swiglu_ffn(*a, backend="triton"), inputs, dy)
             launched = LAUNCHES["n"] - before
-            tma = st.launches["tma"] - tma_before
+            paths = {
+                k: v - paths_before.get(k, 0) for k, v in st.launches.items() if v - paths_before.get(k, 0)
+            }
             same = _grads(swiglu_ffn_reference, inputs, dy)
             exact = _grads(swiglu_ffn_reference, [t.double() for t in inputs], dy.double())
             m = x.numel() // d
@@ -82,7 +87,8 @@ def main() -> None:
                 "finite": all(bool(t.isfinite().all()) for t in got),
                 "dtypes": [str(t.dtype) for t in got],
                 "launched": launched,
-                "tma": tma,
+                "paths": paths,
+                "seed": seed,
                 "H": hidden,
                 "M": m,
             })  # fmt: skip

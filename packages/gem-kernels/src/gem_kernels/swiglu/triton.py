@@ -40,7 +40,10 @@ class SwiGLUBlocks:
     device-side tensor descriptors (sm_90+; used only where the hidden width is a multiple of ``block_n``
     and the rows 16-byte aligned, else the pointer path runs): bulk copies with no per-thread addresses,
     rows past M read as 0 and never written. Slower than pointers on the H100 (by 1.3x at the best tiles
-    of each): kept for the sweep and for other GPUs.
+    of each): kept for the sweep and for other GPUs. ``persistent``: programs per SM of the persistent,
+    warp-specialized descriptor kernel (0: off; needs ``tma``): each program loops over tiles, and Triton's
+    automatic warp specialization gives the loads a producer warp group of their own, so one tile's epilogue
+    overlaps the next tile's GEMM (``prefetch`` does not apply).
     """
 
     block_m: int = 128
@@ -51,15 +54,17 @@ class SwiGLUBlocks:
     num_stages: int = 4
     prefetch: bool = False
     tma: bool = False
+    persistent: int = 0
 
     @classmethod
     def parse(cls, text: str) -> SwiGLUBlocks:
-        """From ``"block_m,block_n,block_k,group_m,num_warps,num_stages,prefetch[,tma]"`` (flags 0 or 1)."""
+        """From ``"block_m,block_n,block_k,group_m,num_warps,num_stages,prefetch[,tma[,persistent]]"``
+        (prefetch and tma 0 or 1)."""
         parts = text.split(",")
-        if len(parts) not in (7, 8) or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(f"{BLOCKS_ENV} must be 7 or 8 comma-separated integers, got {text!r}")
-        values = [int(p) for p in parts]
-        return cls(*values[:6], prefetch=bool(values[6]), tma=bool(values[7]) if len(values) == 8 else False)
+        if len(parts) not in (7, 8, 9) or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"{BLOCKS_ENV} must be 7 to 9 comma-separated integers, got {text!r}")
+        v = [int(p) for p in parts] + [0] * (9 - len(parts))
+        return cls(*v[:6], prefetch=bool(v[6]), tma=bool(v[7]), persistent=v[8])
 
     def csv(self) -> str:
         """The :meth:`parse` form."""
@@ -107,6 +112,52 @@ def _swiglu_backward_kernel(
         _pointer_tile(DY, W2, GU, DGU, Hout, M, H, K, stride_dy_m, stride_dy_k, stride_w_k, stride_w_n,
                       stride_gu_m, stride_dgu_m, stride_h_m, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
                       EVEN_K, IEEE, PREFETCH)  # fmt: skip
+
+
+@triton.jit
+def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of tile number ``tile``, tiles grouped by ``GROUP_M`` rows (L2 reuse of W2)."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
+@triton.jit
+def _swiglu_backward_ws_kernel(
+    DY, W2, GU, DGU, Hout, M, H, K, stride_dy_m, stride_w_k, stride_gu_m, stride_dgu_m, stride_h_m,
+    NUM_PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Persistent: program ``p`` takes tiles ``p, p + NUM_PROGRAMS, ...``; the tile loop is warp-specialized
+    (not flattened: Triton 3.6-3.7 specialize only the unflattened loop here). As in Triton's persistent
+    matmul tutorial, the epilogue recomputes its tile from a counter of its own, which breaks the dependence
+    between the loads of the next tile and the stores of this one."""
+    start = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(H, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    dy_d = _desc(DY, M, K, stride_dy_m, BLOCK_M, BLOCK_K)
+    w_d = _desc(W2, K, H, stride_w_k, BLOCK_K, BLOCK_N)
+    gu_d = _desc(GU, M, 2 * H, stride_gu_m, BLOCK_M, BLOCK_N)
+    dgu_d = _desc(DGU, M, 2 * H, stride_dgu_m, BLOCK_M, BLOCK_N)
+    h_d = _desc(Hout, M, H, stride_h_m, BLOCK_M, BLOCK_N)
+    tile_c = start - NUM_PROGRAMS
+    for tile in tl.range(start, num_pid_m * num_pid_n, NUM_PROGRAMS, warp_specialize=True):
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):  # columns past K read as 0
+            acc = _dot(dy_d.load([pid_m * BLOCK_M, ki * BLOCK_K]), w_d.load([ki * BLOCK_K, pid_n * BLOCK_N]),
+                       acc, IEEE)  # fmt: skip
+        tile_c += NUM_PROGRAMS
+        pid_m, pid_n = _grouped_tile(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        dgate, dup, h = _epilogue(acc, gu_d.load([row0, col0]), gu_d.load([row0, H + col0]))
+        dt = DGU.dtype.element_ty
+        dgu_d.store([row0, col0], dgate.to(dt))
+        dgu_d.store([row0, H + col0], dup.to(dt))
+        h_d.store([row0, col0], h.to(dt))
 
 
 @triton.jit
@@ -219,8 +270,19 @@ def swiglu_backward_triton(
     use_tma = b.tma and _tma_ok(dy, w2, gu, dgu, h, b)
     if use_tma and not triton_interpreted():
         triton.set_allocator(_scratch)  # every launch: a ContextVar the backward's thread may not have
+    tiles = triton.cdiv(m, b.block_m) * triton.cdiv(hidden, b.block_n)
+    if use_tma and b.persistent > 0:
+        launches["persistent"] += 1
+        programs = min(tiles, _program_slots(dy.device, b.persistent))
+        _swiglu_backward_ws_kernel[(programs,)](
+            dy, w2, gu, dgu, h, m, hidden, k,
+            dy.stride(0), w2.stride(0), gu.stride(0), dgu.stride(0), h.stride(0), programs,
+            BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k, GROUP_M=b.group_m,
+            IEEE=dy.dtype == torch.float32, num_warps=b.num_warps, num_stages=b.num_stages,
+        )  # fmt: skip
+        return dgu, h
     launches["tma" if use_tma else "pointer"] += 1
-    grid = (triton.cdiv(m, b.block_m) * triton.cdiv(hidden, b.block_n),)
+    grid = (tiles,)
     _swiglu_backward_kernel[grid](
         dy, w2, gu, dgu, h, m, hidden, k,
         dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), gu.stride(0), dgu.stride(0), h.stride(0),
@@ -242,6 +304,13 @@ def _tma_ok(*args: object) -> bool:
     return hidden % b.block_n == 0 and all(
         t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in ts
     )
+
+
+def _program_slots(device: torch.device, per_sm: int) -> int:
+    """Programs of a persistent launch: ``per_sm`` per SM (3 in the interpreter, to loop over tiles)."""
+    if triton_interpreted():
+        return 3
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
