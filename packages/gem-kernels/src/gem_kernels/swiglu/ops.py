@@ -110,5 +110,5 @@ def swiglu_ffn(
         check_same(("x", "w13", "w2"), (x, w13, w2), "dtype")
     lead = x.shape[:-1]
     with torch.autocast(device_type, enabled=False):
-        y = _SwiGLUFFN.apply(x.reshape(-1, x.shape[-1]), w13, w2, True)
+        y: torch.Tensor = _SwiGLUFFN.apply(x.reshape(-1, x.shape[-1]), w13, w2, True)  # type: ignore[no-untyped-call]
     return y.reshape(*lead, w2.shape[0])

@@ -64,7 +64,7 @@ class SwiGLUBlocks:
         if len(parts) not in (7, 8, 9) or not all(p.strip().isdigit() for p in parts):
             raise ValueError(f"{BLOCKS_ENV} must be 7 to 9 comma-separated integers, got {text!r}")
         v = [int(p) for p in parts] + [0] * (9 - len(parts))
-        return cls(*v[:6], prefetch=bool(v[6]), tma=bool(v[7]), persistent=v[8])
+        return cls(v[0], v[1], v[2], v[3], v[4], v[5], prefetch=bool(v[6]), tma=bool(v[7]), persistent=v[8])
 
     def csv(self) -> str:
         """The :meth:`parse` form."""
