@@ -75,20 +75,20 @@ part ffnsweep 60 python3 packages/gem-kernels/benchmarks/bench_swiglu.py --sweep
   --out "$OUT/ffnsweep/swiglu.json"
 best=$(grep -s "^best base " "$OUT/ffnsweep/log.txt" | awk '{print $3}')
 [[ -n "$best" ]] && export GEM_KERNELS_SWIGLU_BLOCKS=$best && echo "fused SwiGLU tiles: $best"
-for fused in false true; do
-  name=ffn_$([[ $fused == true ]] && echo on || echo off)
-  [[ ",$PARTS," == *",ffn,"* ]] && PARTS="$PARTS,$name"
-  part "$name" 150 python3 packages/gem-train/benchmarks/bench_speed.py --config base-h200 --recipes bf16 \
-    --steps 10 --distinct 3 --prefetch-steps 0 --profile-steps 3 --set "model.overrides.fused_ffn=$fused" \
-    --out "$OUT/$name"
-done
-for fused in false true; do
-  name=large_ffn_$([[ $fused == true ]] && echo on || echo off)
-  [[ ",$PARTS," == *",largeffn,"* ]] && PARTS="$PARTS,$name"
-  part "$name" 150 python3 packages/gem-train/benchmarks/bench_speed.py --config large-h200 --recipes bf16 \
-    --steps 8 --distinct 2 --prefetch-steps 0 --profile-steps 2 --set "model.overrides.fused_ffn=$fused" \
-    --out "$OUT/$name"
-done
+# ffn_pair PART PREFIX CONFIG STEPS DISTINCT PROFILE: bench_speed bf16 with the SwiGLU composition (PREFIX_off)
+# and the fused kernel (PREFIX_on), when PART was asked for.
+ffn_pair() {
+  local want=$1 prefix=$2 config=$3 steps=$4 distinct=$5 prof=$6 fused name
+  for fused in false true; do
+    name=${prefix}_$([[ $fused == true ]] && echo on || echo off)
+    [[ ",$PARTS," == *",$want,"* ]] && PARTS="$PARTS,$name"
+    part "$name" 150 python3 packages/gem-train/benchmarks/bench_speed.py --config "$config" --recipes bf16 \
+      --steps "$steps" --distinct "$distinct" --prefetch-steps 0 --profile-steps "$prof" \
+      --set "model.overrides.fused_ffn=$fused" --out "$OUT/$name"
+  done
+}
+ffn_pair ffn ffn base-h200 10 3 3
+ffn_pair largeffn large_ffn large-h200 8 2 2
 # last: it takes what is left (inductor's max-autotune compiles slowly)
 part ffnbench 90 python3 packages/gem-kernels/benchmarks/bench_swiglu.py --sweep --autotune \
   --out "$OUT/ffnbench/swiglu.json"
