@@ -17,11 +17,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("pma_kind", ["softmax", "gdpa"])
-def test_cuda_model_matches_reference_backend(pma_kind):
+@pytest.mark.parametrize(("pma_kind", "fused_ffn"), [("softmax", False), ("gdpa", False), ("softmax", True)])
+def test_cuda_model_matches_reference_backend(pma_kind, fused_ffn):
     config = dataclasses.replace(
-        gm.get_config("tiny"), n_layers=3, attention=("full", "window", "block"), pma_kind=pma_kind
-    )
+        gm.get_config("tiny"), n_layers=3, attention=("full", "window", "block"), pma_kind=pma_kind,
+        fused_ffn=fused_ffn,
+    )  # fmt: skip
     torch.manual_seed(0)
     model = gm.GemModel(config, device="cuda")
     batch = gm.random_batch(config.features, 32, seed=0, device="cuda")
