@@ -335,3 +335,23 @@ def test_uninitialised_memory_never_reaches_the_outputs(monkeypatch, act):
     assert _rel(out, want) < TOL[torch.float32]
     if act == "softmax":
         torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(cpu._FLASH_CPU is None, reason="this torch has no fused CPU flash-attention kernel")
+def test_flash_padding_never_carries_another_sequence_rows(monkeypatch):
+    """The fused forward gathers each group straight from q, k and v (strided views of one projection here),
+    reading padding rows from row 0 and zeroing them: with NaN in the first sequence's rows (which row 0 is)
+    every other sequence, padded in shared buckets, still equals the oracle and stays finite."""
+    calls = _count_flash(monkeypatch)
+    lq = [3, 1, 5, 17, 19, 0, 33, 2, 6, 7, 21]
+    q, k, v, _, qo, ko = _inputs(lq, None, torch.float32, seed=5, dv=8)  # the fused kernel wants D == Dv
+    qkv = torch.stack([q, k, v], dim=1)  # [N, 3, H, D]: q, k and v below are strided views
+    qkv[:3] = float("nan")
+    q, k, v = qkv.unbind(1)
+    for band in ((-1, 0), (4, 0), (-1, -1)):
+        out, lse = cpu.attention_fwd(q, k, v, qo, ko, "softmax", *band, 0.3, 1.0)
+        want, want_lse = reference.attention_fwd(q, k, v, qo, ko, "softmax", *band, 0.3, 1.0)
+        assert torch.isnan(out[:3]).all() and torch.isfinite(out[3:]).all(), band
+        assert _rel(out[3:], want[3:]) < TOL[torch.float32], band
+        torch.testing.assert_close(lse[3:], want_lse[3:], rtol=1e-5, atol=1e-5)
+    assert calls, "the fused kernel never ran"

@@ -67,6 +67,8 @@ class _Group:
 
     ``q_idx`` ``[G * Lq]`` / ``k_idx`` ``[G * Lk]`` (row-major over ``[G, L]``, on the data's device) index
     rows of the padded flat tensors; padding positions point at the extra zero row appended at the end.
+    ``q_src`` / ``k_src`` are the same with padding pointing at row 0 (rows of the unpadded tensors), and
+    ``q_pad`` / ``k_pad`` the padding positions, which a gather through them must zero.
     ``q_len`` / ``k_len`` ``[G]`` int64 CPU are the sequences' lengths, ``left`` / ``right`` the band."""
 
     size: int
@@ -78,6 +80,10 @@ class _Group:
     k_len: torch.Tensor
     left: int
     right: int
+    q_src: torch.Tensor
+    k_src: torch.Tensor
+    q_pad: torch.Tensor
+    k_pad: torch.Tensor
 
     @property
     def has_band(self) -> bool:
@@ -147,18 +153,24 @@ def _group(
     lqg, lkg = lq[members], lk[members]
     iq = torch.arange(int(lqg.max()))
     ik = torch.arange(int(lkg.max()))
-    q_idx = torch.where(iq[None, :] < lqg[:, None], q_start[members][:, None] + iq[None, :], pad_q)
-    k_idx = torch.where(ik[None, :] < lkg[:, None], k_start[members][:, None] + ik[None, :], pad_k)
+    q_valid = (iq[None, :] < lqg[:, None]).flatten()
+    k_valid = (ik[None, :] < lkg[:, None]).flatten()
+    q_idx = (q_start[members][:, None] + iq[None, :]).flatten()
+    k_idx = (k_start[members][:, None] + ik[None, :]).flatten()
     return _Group(
         members.numel(),
         iq.numel(),
         ik.numel(),
-        q_idx.flatten().to(device),
-        k_idx.flatten().to(device),
+        torch.where(q_valid, q_idx, pad_q).to(device),
+        torch.where(k_valid, k_idx, pad_k).to(device),
         lqg,
         lkg,
         left,
         right,
+        torch.where(q_valid, q_idx, 0).to(device),
+        torch.where(k_valid, k_idx, 0).to(device),
+        torch.nonzero(~q_valid).flatten().to(device),
+        torch.nonzero(~k_valid).flatten().to(device),
     )
 
 
@@ -285,11 +297,14 @@ def _flash_softmax(
     return out, lse
 
 
-def _token_major(flat: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """``flat`` ``[N, H, D]`` -> ``[N + 1, H, D]`` in ``cdt``, the last row 0 (where padding points)."""
-    out = torch.empty(flat.shape[0] + 1, *flat.shape[1:], dtype=cdt, device=flat.device)
-    out[:-1] = flat
-    out[-1] = 0
+def _gather_rows(flat: torch.Tensor, src: torch.Tensor, pad: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """Rows ``src`` of ``flat`` ``[N, H, D]`` (any strides) in ``cdt``, the padding positions ``pad`` zeroed:
+    ``[len(src), H, D]`` contiguous. Straight from the caller's tensors (q, k, v are often strided views of
+    one projection): no copy of the whole of them first. The padding rows are read from row 0 and then
+    zeroed, so whatever row 0 holds (NaN included) never reaches another sequence."""
+    out = flat.index_select(0, src).to(cdt)
+    if pad.numel():
+        out.index_fill_(0, pad, 0)
     return out
 
 
@@ -304,20 +319,17 @@ def _flash_fwd(
     qk_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax forward through the fused kernel, in the tokens' own layout: each group's rows are gathered
-    from ``[N + 1, H, D]`` as ``[G, Lq, H, D]`` and handed over as ``[G, H, Lq, D]`` views, and the kernel's
-    ``[G, Lq, H, D]`` output is scattered back as it lies: no transposition on the way in or out."""
+    from q, k and v as ``[G, Lq, H, D]`` (padding rows zero) and handed over as ``[G, H, Lq, D]`` views, and
+    the kernel's ``[G, Lq, H, D]`` output is scattered back as it lies: no transposition on the way in or
+    out, and no padded copy of q, k and v (3 passes over them a call)."""
     cdt = compute_dtype(q)
     heads, dv = q.shape[1], v.shape[2]
     out = torch.zeros(q.shape[0] + 1, heads, dv, dtype=cdt, device=q.device)
     lse = torch.full((q.shape[0] + 1, heads), float("-inf"), dtype=torch.float32, device=q.device)
-    padded: list[torch.Tensor] = []  # converted once, only when some sequence attends
     for grp in _groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
-        if not padded:
-            padded = [_token_major(t, cdt) for t in (q, k, v)]
-        qp, kp, vp = padded
-        qb = qp.index_select(0, grp.q_idx).view(grp.size, grp.lq, heads, -1).transpose(1, 2)
-        kb = kp.index_select(0, grp.k_idx).view(grp.size, grp.lk, heads, -1).transpose(1, 2)
-        vb = vp.index_select(0, grp.k_idx).view(grp.size, grp.lk, heads, -1).transpose(1, 2)
+        qb = _gather_rows(q, grp.q_src, grp.q_pad, cdt).view(grp.size, grp.lq, heads, -1).transpose(1, 2)
+        kb = _gather_rows(k, grp.k_src, grp.k_pad, cdt).view(grp.size, grp.lk, heads, -1).transpose(1, 2)
+        vb = _gather_rows(v, grp.k_src, grp.k_pad, cdt).view(grp.size, grp.lk, heads, -1).transpose(1, 2)
         ob, lse_b = _flash_softmax(qb, kb, vb, grp, qk_scale)
         out.index_copy_(0, grp.q_idx, ob.transpose(1, 2).reshape(-1, heads, dv))
         lse.index_copy_(0, grp.q_idx, lse_b.transpose(1, 2).reshape(-1, heads))
