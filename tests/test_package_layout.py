@@ -27,7 +27,7 @@ PACKAGES = {
     "gem_precision": ROOT / "packages" / "gem-precision" / "src" / "gem_precision",
 }
 FAMILIES = {
-    "gem_kernels": ("attention", "block", "jagged", "rotary"),
+    "gem_kernels": ("attention", "block", "jagged", "rotary", "swiglu"),
     "gem_precision": ("mx", "packed", "rowwise"),
 }
 # Faces that are not op families: the layer, the activation compression and the model conversion.

@@ -204,9 +204,8 @@ class AllGatherRound:
         if kept is not None and kept[0]() is shard and kept[1] == shard._tensor._version:
             return kept[2]
         served = {id(ref()) for ref in self._served}
-        device = (
-            shard._tensor.device
-        )  # (a member left on another device, e.g. the meta one: not this round's)
+        # A member left on another device (the meta one FSDP replaced) is not this round's.
+        device = shard._tensor.device
         others = [
             m
             for ref in self._members

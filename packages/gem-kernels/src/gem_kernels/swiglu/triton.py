@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.dispatch import triton_interpreted
+from gem_kernels.launch_triton import persistent_grid, use_descriptor_scratch
+from gem_kernels.swiglu.reference import swiglu_backward_reference
 
 __all__ = ["SwiGLUBlocks", "default_blocks", "swiglu_backward_triton"]
 
@@ -95,15 +96,7 @@ def _swiglu_backward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr, USE_TMA: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(H, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(H, BLOCK_N), GROUP_M)
     if USE_TMA:
         _tma_tile(DY, W2, GU, DGU, Hout, M, H, K, stride_dy_m, stride_w_k, stride_gu_m, stride_dgu_m,
                   stride_h_m, pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
@@ -137,11 +130,9 @@ def _swiglu_backward_ws_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    dy_d = _desc(DY, M, K, stride_dy_m, BLOCK_M, BLOCK_K)
-    w_d = _desc(W2, K, H, stride_w_k, BLOCK_K, BLOCK_N)
-    gu_d = _desc(GU, M, 2 * H, stride_gu_m, BLOCK_M, BLOCK_N)
-    dgu_d = _desc(DGU, M, 2 * H, stride_dgu_m, BLOCK_M, BLOCK_N)
-    h_d = _desc(Hout, M, H, stride_h_m, BLOCK_M, BLOCK_N)
+    dy_d, w_d, gu_d, dgu_d, h_d = _descriptors(DY, W2, GU, DGU, Hout, M, H, K, stride_dy_m, stride_w_k,
+                                               stride_gu_m, stride_dgu_m, stride_h_m, BLOCK_M, BLOCK_N,
+                                               BLOCK_K)  # fmt: skip
     tile_c = start - NUM_PROGRAMS
     for tile in tl.range(start, num_pid_m * num_pid_n, NUM_PROGRAMS, warp_specialize=True):
         pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -153,11 +144,7 @@ def _swiglu_backward_ws_kernel(
         pid_m, pid_n = _grouped_tile(tile_c, num_pid_m, num_pid_n, GROUP_M)
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
-        dgate, dup, h = _epilogue(acc, gu_d.load([row0, col0]), gu_d.load([row0, H + col0]))
-        dt = DGU.dtype.element_ty
-        dgu_d.store([row0, col0], dgate.to(dt))
-        dgu_d.store([row0, H + col0], dup.to(dt))
-        h_d.store([row0, col0], h.to(dt))
+        _tma_store(acc, gu_d.load([row0, col0]), gu_d.load([row0, H + col0]), DGU, dgu_d, h_d, row0, col0, H)
 
 
 @triton.jit
@@ -228,15 +215,37 @@ def _desc(X, rows, cols, stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _descriptors(DY, W2, GU, DGU, Hout, M, H, K, stride_dy_m, stride_w_k, stride_gu_m, stride_dgu_m,
+                 stride_h_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
+    """Descriptors of dy ``[M, K]``, W2 ``[K, H]``, gu and dgu ``[M, 2H]`` and h ``[M, H]``. The launcher
+    checks ``H % BLOCK_N == 0``, so a gate tile never reaches into up's columns."""
+    return (
+        _desc(DY, M, K, stride_dy_m, BLOCK_M, BLOCK_K),
+        _desc(W2, K, H, stride_w_k, BLOCK_K, BLOCK_N),
+        _desc(GU, M, 2 * H, stride_gu_m, BLOCK_M, BLOCK_N),
+        _desc(DGU, M, 2 * H, stride_dgu_m, BLOCK_M, BLOCK_N),
+        _desc(Hout, M, H, stride_h_m, BLOCK_M, BLOCK_N),
+    )
+
+
+@triton.jit
+def _tma_store(acc, gate, up, DGU, dgu_d, h_d, row0, col0, H):
+    """The epilogue of the tile at ``(row0, col0)`` and its three stores through the descriptors."""
+    dgate, dup, h = _epilogue(acc, gate, up)
+    dt = DGU.dtype.element_ty
+    dgu_d.store([row0, col0], dgate.to(dt))
+    dgu_d.store([row0, H + col0], dup.to(dt))
+    h_d.store([row0, col0], h.to(dt))
+
+
+@triton.jit
 def _tma_tile(DY, W2, GU, DGU, Hout, M, H, K, stride_dy_m, stride_w_k, stride_gu_m, stride_dgu_m,
               stride_h_m, row0, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               IEEE: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
-    # H % BLOCK_N == 0 (the launcher checks), so a gate tile never reaches into up's columns.
-    dy_d = _desc(DY, M, K, stride_dy_m, BLOCK_M, BLOCK_K)
-    w_d = _desc(W2, K, H, stride_w_k, BLOCK_K, BLOCK_N)
-    gu_d = _desc(GU, M, 2 * H, stride_gu_m, BLOCK_M, BLOCK_N)
-    dgu_d = _desc(DGU, M, 2 * H, stride_dgu_m, BLOCK_M, BLOCK_N)
-    h_d = _desc(Hout, M, H, stride_h_m, BLOCK_M, BLOCK_N)
+    dy_d, w_d, gu_d, dgu_d, h_d = _descriptors(DY, W2, GU, DGU, Hout, M, H, K, stride_dy_m, stride_w_k,
+                                               stride_gu_m, stride_dgu_m, stride_h_m, BLOCK_M, BLOCK_N,
+                                               BLOCK_K)  # fmt: skip
     if PREFETCH:
         gate = gu_d.load([row0, col0])
         up = gu_d.load([row0, H + col0])
@@ -246,11 +255,7 @@ def _tma_tile(DY, W2, GU, DGU, Hout, M, H, K, stride_dy_m, stride_w_k, stride_gu
     if not PREFETCH:
         gate = gu_d.load([row0, col0])
         up = gu_d.load([row0, H + col0])
-    dgate, dup, h = _epilogue(acc, gate, up)
-    dt = DGU.dtype.element_ty
-    dgu_d.store([row0, col0], dgate.to(dt))
-    dgu_d.store([row0, H + col0], dup.to(dt))
-    h_d.store([row0, col0], h.to(dt))
+    _tma_store(acc, gate, up, DGU, dgu_d, h_d, row0, col0, H)
 
 
 def swiglu_backward_triton(
@@ -265,18 +270,18 @@ def swiglu_backward_triton(
     if m == 0 or hidden == 0:
         return dgu, h
     if k == 0:  # dh = 0: a GEMM over an empty K
-        return torch.zeros_like(gu), swiglu_activation(gu)
+        return swiglu_backward_reference(dy, w2, gu)
     b = blocks or default_blocks(dy.device)
-    use_tma = b.tma and _tma_ok(dy, w2, gu, dgu, h, b)
-    if use_tma and not triton_interpreted():
-        triton.set_allocator(_scratch)  # every launch: a ContextVar the backward's thread may not have
+    use_tma = b.tma and _tma_ok((dy, w2, gu, dgu, h), b)
+    if use_tma:
+        use_descriptor_scratch()
     tiles = triton.cdiv(m, b.block_m) * triton.cdiv(hidden, b.block_n)
     if use_tma and b.persistent > 0:
         launches["persistent"] += 1
-        programs = min(tiles, _program_slots(dy.device, b.persistent))
-        _swiglu_backward_ws_kernel[(programs,)](
+        grid = persistent_grid(tiles, dy.device, b.persistent)
+        _swiglu_backward_ws_kernel[grid](
             dy, w2, gu, dgu, h, m, hidden, k,
-            dy.stride(0), w2.stride(0), gu.stride(0), dgu.stride(0), h.stride(0), programs,
+            dy.stride(0), w2.stride(0), gu.stride(0), dgu.stride(0), h.stride(0), grid[0],
             BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k, GROUP_M=b.group_m,
             IEEE=dy.dtype == torch.float32, num_warps=b.num_warps, num_stages=b.num_stages,
         )  # fmt: skip
@@ -294,31 +299,10 @@ def swiglu_backward_triton(
     return dgu, h
 
 
-def _tma_ok(*args: object) -> bool:
-    """Whether the descriptors can address these tensors: unit inner strides, 16-byte aligned rows and
-    bases, and a hidden width in whole column tiles."""
-    *tensors, b = args
-    ts = [t for t in tensors if isinstance(t, torch.Tensor)]
-    assert isinstance(b, SwiGLUBlocks)
-    hidden = ts[1].shape[1]
-    return hidden % b.block_n == 0 and all(
-        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in ts
+def _tma_ok(tensors: tuple[torch.Tensor, ...], b: SwiGLUBlocks) -> bool:
+    """Whether the descriptors can address ``(dy, w2, gu, dgu, h)``: unit inner strides, 16-byte aligned rows
+    and bases, and a hidden width (``w2``'s columns) in whole column tiles."""
+    return tensors[1].shape[1] % b.block_n == 0 and all(
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in tensors
     )
-
-
-def _program_slots(device: torch.device, per_sm: int) -> int:
-    """Programs of a persistent launch: ``per_sm`` per SM (3 in the interpreter, to loop over tiles)."""
-    if triton_interpreted():
-        return 3
-    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch of the device-side tensor descriptors (``triton.set_allocator``)."""
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-def swiglu_activation(gu: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of gu ``[M, 2H]`` in fp32, rounded once to gu's dtype."""
-    gate, up = gu.float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(gu.dtype)

@@ -25,7 +25,6 @@ import os
 from typing import Any
 
 import torch
-import triton
 
 from gem_kernels.attention import variants
 from gem_kernels.attention.triton.autotuners import AUTOTUNERS
@@ -35,25 +34,12 @@ from gem_kernels.attention.triton.persistent import (
     fwd_persistent_kernel,
 )
 from gem_kernels.attention.triton.schedule import cached_schedule
-from gem_kernels.dispatch import triton_interpreted
+from gem_kernels.launch_triton import persistent_grid, use_descriptor_scratch
 
 Consts = dict[str, Any]
 PROGRAMS_PER_SM = int(os.environ.get("GEM_KERNELS_PERSISTENT_PROGRAMS_PER_SM", "2"))
-INTERPRETER_PROGRAMS = 3  # a few programs, each looping over several items, under TRITON_INTERPRET
 # Launches per (kernel, "tma" | "pointer"): tests read which path ran (gem_kernels.attention.testing).
 launches: collections.Counter[tuple[str, str]] = collections.Counter()
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch of the device-side tensor descriptors (``triton.set_allocator``)."""
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-def _grid(items: int, device: torch.device) -> tuple[int]:
-    if triton_interpreted():
-        return (max(1, min(items, INTERPRETER_PROGRAMS)),)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return (max(1, min(items, sms * PROGRAMS_PER_SM)),)
 
 
 def _run(name: str, tuned: Any, raw: Any, outer: torch.Tensor, inner: torch.Tensor, max_outer: int,
@@ -66,11 +52,9 @@ def _run(name: str, tuned: Any, raw: Any, outer: torch.Tensor, inner: torch.Tens
     counter = torch.zeros(1, dtype=torch.int32, device=outer.device)
     args = (*head_args, sched.tiles, sched.count, counter, *tail_args[:8], heads, sched.n_tiles,
             *tail_args[8:])
-    grid = _grid(sched.capacity * heads, outer.device)
-    if consts["USE_TMA"] and not triton_interpreted():
-        # Every launch: triton.set_allocator sets a ContextVar, so a one-time set in the forward's thread
-        # does not reach the autograd engine's backward thread (H200: "no allocator was set").
-        triton.set_allocator(_scratch)
+    grid = persistent_grid(sched.capacity * heads, outer.device, PROGRAMS_PER_SM)
+    if consts["USE_TMA"]:
+        use_descriptor_scratch()
     launches[(name, "tma" if consts["USE_TMA"] else "pointer")] += 1
     if blocks is None:
         tuned[grid](*args, **consts)
