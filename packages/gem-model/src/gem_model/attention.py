@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 import gem_kernels
 from gem_model.layers import RMSNorm, init_linear
+from gem_model.rowwise import rowwise
 
 __all__ = ["ContextCrossAttention", "PoolingAttention", "SequenceSelfAttention", "fixed_offsets"]
 
@@ -40,7 +41,15 @@ class _QKNorm(nn.Module):
     def forward(self, q: Tensor, k: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         # Normalised as [tokens * H, D] rows: on the CPU the 3-D (strided: q and k are views of one
         # projection) form runs ~1.5x slower, the same arithmetic.
-        return self._norm(self.q, q, dtype), self._norm(self.k, k, dtype)
+        return self.norm_q(q, dtype), self.norm_k(k, dtype)
+
+    def norm_q(self, q: Tensor, dtype: torch.dtype) -> Tensor:
+        """The queries ``[tokens, H, D]`` alone, normalised and cast to ``dtype``."""
+        return self._norm(self.q, q, dtype)
+
+    def norm_k(self, k: Tensor, dtype: torch.dtype) -> Tensor:
+        """The keys ``[tokens, H, D]`` alone, normalised and cast to ``dtype``."""
+        return self._norm(self.k, k, dtype)
 
     @staticmethod
     def _norm(norm: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -95,8 +104,7 @@ class SequenceSelfAttention(nn.Module):
     def forward(self, x: Tensor, offsets: Tensor, max_len: int, positions: Tensor) -> Tensor:
         """x ``[total, d]``, offsets ``[B+1]``, positions ``[total]`` float (rotary) -> ``[total, d]``."""
         total = x.shape[0]
-        q, k, v = self.qkv(x).view(total, 3, self.n_heads, self.head_dim).unbind(1)
-        q, k = self.qk_norm(q, k, v.dtype)
+        q, k, v = rowwise(self._project, x)  # position-wise: chunked in CPU inference (gem_model.rowwise)
         if self.kind == "block":
             # The block kernel fuses the rotation (and its backward) into the attention.
             rotary = gem_kernels.Rotary(positions=positions, base=self.rotary_base)
@@ -105,6 +113,7 @@ class SequenceSelfAttention(nn.Module):
                 rotary=rotary,
             )  # fmt: skip
         else:
+            # Rotated whole, not per chunk: per chunk its cos/sin tables would be remade every call.
             q = gem_kernels.apply_rotary(q, offsets, positions=positions, base=self.rotary_base)
             k = gem_kernels.apply_rotary(k, offsets, positions=positions, base=self.rotary_base)
             window = None
@@ -114,6 +123,12 @@ class SequenceSelfAttention(nn.Module):
                 q, k, v, offsets, max_q_len=max_len, causal=self.causal, window=window
             )
         return self.out(o.reshape(total, self.n_heads * self.head_dim))
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``x`` ``[n, d]`` -> q, k, v ``[n, H, D]``, q and k normalised (QK-norm), all in v's dtype."""
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.n_heads, self.head_dim).unbind(1)
+        q, k = self.qk_norm(q, k, v.dtype)
+        return q, k, v
 
 
 class ContextCrossAttention(nn.Module):
@@ -156,16 +171,20 @@ class ContextCrossAttention(nn.Module):
     def forward(self, x: Tensor, offsets: Tensor, max_len: int, context: Tensor) -> Tensor:
         """x: ``[total, d]`` history; context ``[B, n_ctx, d]``. Returns ``[total, d]``."""
         total, (b, n_ctx, _) = x.shape[0], context.shape
-        q = self.q(x).view(total, self.n_heads, self.head_dim)
         k, v = (
             self.kv(context.reshape(b * n_ctx, -1)).view(b * n_ctx, 2, self.n_heads, self.head_dim).unbind(1)
         )
-        q, k = self.qk_norm(q, k, v.dtype)
+        k = self.qk_norm.norm_k(k, v.dtype)
+        (q,) = rowwise(lambda rows: (self._query(rows, v.dtype),), x)  # chunked in CPU inference
         o = gem_kernels.gdpa(
             q, k, v, offsets, fixed_offsets(b, n_ctx, x.device), max_q_len=max_len, max_kv_len=n_ctx,
             activation=self.activation, out_scale=1.0 / n_ctx,
         )  # fmt: skip
         return self.out(o.reshape(total, self.n_heads * self.head_dim))
+
+    def _query(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """``x`` ``[n, d]`` -> normalised queries ``[n, H, D]`` in ``dtype``."""
+        return self.qk_norm.norm_q(self.q(x).view(x.shape[0], self.n_heads, self.head_dim), dtype)
 
 
 class PoolingAttention(nn.Module):
@@ -209,15 +228,11 @@ class PoolingAttention(nn.Module):
 
     def forward(self, x: Tensor, offsets: Tensor, max_len: int) -> Tensor:
         """x: ``[total, d]`` history. Returns ``[B, n_seeds, d]``."""
-        b, total, h, dh = offsets.numel() - 1, x.shape[0], self.n_heads, self.head_dim
-        k, v = self.kv(x).view(total, 2, h, dh).unbind(1)
-        q = (
-            self.q(self.seeds)
-            .view(1, self.n_seeds, h, dh)
-            .expand(b, -1, -1, -1)
-            .reshape(b * self.n_seeds, h, dh)
-        )
-        q, k = self.qk_norm(q, k, v.dtype)
+        b, h, dh = offsets.numel() - 1, self.n_heads, self.head_dim
+        k, v = rowwise(self._keys_values, x)  # chunked in CPU inference (gem_model.rowwise)
+        # The seeds' queries normalised once, then repeated per user (a row-wise norm: the same values).
+        q = self.qk_norm.norm_q(self.q(self.seeds).view(1, self.n_seeds, h, dh), v.dtype)
+        q = q.expand(b, -1, -1, -1).reshape(b * self.n_seeds, h, dh)
         q_offsets = fixed_offsets(b, self.n_seeds, x.device)
         if self.kind == "softmax":
             o = gem_kernels.jagged_flash_attention(
@@ -229,3 +244,8 @@ class PoolingAttention(nn.Module):
                 activation=self.activation, out_scale=1.0 / self.max_history_len,
             )  # fmt: skip
         return self.out(o.reshape(b, self.n_seeds, h * dh))
+
+    def _keys_values(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``x`` ``[n, d]`` -> k (normalised), v ``[n, H, D]`` in v's dtype."""
+        k, v = self.kv(x).view(x.shape[0], 2, self.n_heads, self.head_dim).unbind(1)
+        return self.qk_norm.norm_k(k, v.dtype), v

@@ -31,6 +31,7 @@ from gem_model.crosses import HistoryCrosses
 from gem_model.embeddings import GemEmbeddings
 from gem_model.interaction import NonSequenceSummary, SequenceSummary, WukongEnsemble, WukongLayer
 from gem_model.layers import RMSNorm, SwiGLU, init_linear
+from gem_model.rowwise import rowwise
 from gem_model.target import TargetAttention, first_of_timestamp, history_action_loss
 
 __all__ = ["AUX_LOSS_PREFIX", "N_TIME_FEATURES", "GemLayer", "GemModel", "multitask_loss"]
@@ -266,9 +267,14 @@ class GemLayer(nn.Module):
         context = torch.cat([x_sum.to(dtype), s_sum.to(dtype)], dim=1)
         s = s + self.dropout(self.cross(self.cross_norm(s), offsets, max_len, context))
         s = s + self.dropout(self.attn(self.attn_norm(s), offsets, max_len, positions))
-        if self.ffn is not None and self.ffn_norm is not None:  # both or neither (config.ffn_hidden)
-            s = s + self.dropout(self.ffn(self.ffn_norm(s)))
+        if self.ffn is not None:  # the block is position-wise: chunked in CPU inference (gem_model.rowwise)
+            (s,) = rowwise(self._ffn_block, s)
         return x_next, s
+
+    def _ffn_block(self, s: Tensor) -> tuple[Tensor]:
+        """``s + FFN(norm(s))`` (dropout on the branch) for rows ``s`` ``[n, d]``."""
+        assert self.ffn is not None and self.ffn_norm is not None  # both or neither (config.ffn_hidden)
+        return (s + self.dropout(self.ffn(self.ffn_norm(s))),)
 
 
 class TaskHead(nn.Module):

@@ -8,7 +8,8 @@ representation (:mod:`gem_train.transfer.representation`). Shards are atomic and
 (:mod:`gem_train.transfer.prediction_files`), so a rerun after a crash writes only the missing ones; rank 0
 writes the manifest once every shard exists. The model runs as it was evaluated in training: its precision
 recipe, and bf16 autocast where ``train.autocast`` gives it (CUDA by default), logits read in fp32. On the
-CPU, freed host memory stays in the heap (:mod:`gem_train.transfer.heap`: ~1.25x the forward's rate).
+CPU, freed host memory stays in the heap (:mod:`gem_train.transfer.heap`: ~1.25x the forward's rate). Batches
+are forwarded together, :data:`MIN_FORWARD_ROWS` rows at least (a shard's last forward may be shorter).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ SHARD_ROWS = 65_536  # rows per shard at most (about): one shard is what a rank 
 # one idle, while each shard costs a file, its fsync and its rename (~7 ms). The layout depends on the split
 # alone, never on the world size, so a rerun under another world size finds its shards.
 MIN_SHARDS = 16
+# Rows of one forward at least (consecutive batches of a shard concatenated): the per-op and per-group costs
+# of a CPU forward spread over more rows. GEM tiny's forward on one core of the 2-core CPU machine, examples/s
+# by forward rows (interleaved in one process, medians of 8 rounds): 256 -> 7,806; 512 -> 9,056;
+# 1,024 -> 9,795; 2,048 -> 10,543; 4,096 -> 10,383.
+MIN_FORWARD_ROWS = 2048
 MIN_SHARD_ROWS = 8_192
 
 
@@ -304,7 +310,7 @@ def run_predict(
     plans = {s: p for s, p in plans.items() if p.num_batches > 0}
     identity = _identity(cfg, run, Path(checkpoint).resolve(), step, embeddings)
     todo, _ = _plan_shards(out, plans, shard_rows, identity, rank, world)
-    chunk = max(cfg.data.eval_batch_size, cfg.data.batch_size)
+    chunk = max(cfg.data.eval_batch_size, cfg.data.batch_size, MIN_FORWARD_ROWS)
     total = sum(plans[s.split].shard_rows(s.lo, s.hi) for s in todo)
     bar = tqdm(total=total, disable=not (progress and rank == 0), unit="ex", unit_scale=True,
                dynamic_ncols=True, desc=f"predict {'+'.join(plans)}", file=sys.stderr)  # fmt: skip
