@@ -63,3 +63,17 @@ def test_cache_reuses_only_unchanged_offsets():
     b = cached_schedule(qo, ko, 37, 16, BIG, 0, 2)
     assert b is not a
     assert int(b.count.item()) == (1 + 3) * 2  # 5 rows -> 1 tile, 37 rows -> 3 tiles of 16
+
+
+def test_inference_offsets_are_scheduled_afresh_and_right():
+    """Under ``torch.inference_mode`` (predict) offsets have no version counter: each call builds the schedule
+    again, so a change in place is seen, and it equals the schedule of ordinary tensors of the same values."""
+    clear_cache()
+    with torch.inference_mode():
+        qo, ko = _offsets([37, 5]), _offsets([37, 5])
+        a = cached_schedule(qo, ko, 37, 16, BIG, 0, 2)
+        want = build_schedule(qo.clone(), ko.clone(), 37, 16, BIG, 0, 2)
+        assert torch.equal(a.tiles, want.tiles) and torch.equal(a.count, want.count)
+        qo[1:] = torch.tensor([5, 42], dtype=torch.int32)  # in place, inside inference mode
+        b = cached_schedule(qo, ko, 37, 16, BIG, 0, 2)
+        assert int(b.count.item()) == (1 + 3) * 2

@@ -55,3 +55,21 @@ def test_cuda_bf16_autocast_step():
     loss, _ = gm.multitask_loss(logits, batch)
     loss.backward()
     assert all(v.dtype == torch.float32 for v in logits.values()) and torch.isfinite(loss)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_inference_mode_forward_matches_no_grad():
+    """``gem-train predict`` forwards under ``torch.inference_mode``, where tensors have no version counter
+    (the attention's schedule cache once read it and failed): twice, the same logits as under ``no_grad``."""
+    config = dataclasses.replace(gm.get_config("tiny"), n_layers=3, attention=("full", "window", "block"))
+    torch.manual_seed(0)
+    model = gm.GemModel(config, device="cuda").eval()
+    batch = gm.random_batch(config.features, 32, seed=2, device="cuda")
+    with torch.no_grad():
+        want = torch.stack(list(model(batch).values()))
+    with torch.inference_mode():  # the batch made inside too, as predict moves it there
+        batch = gm.random_batch(config.features, 32, seed=2, device="cuda")
+        for _ in range(2):
+            got = torch.stack(list(model(batch).values()))
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # the same kernels, same inputs

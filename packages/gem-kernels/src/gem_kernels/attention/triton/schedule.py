@@ -84,7 +84,12 @@ def cached_schedule(
     hi_dist: int,
     heads: int,
 ) -> TileSchedule:
-    """:func:`build_schedule`, reused while the same offsets tensors are passed again unchanged."""
+    """:func:`build_schedule`, reused while the same offsets tensors are passed again unchanged.
+
+    Inference tensors (made under ``torch.inference_mode``) have no version counter, so a change in place
+    could not be seen: their schedule is built afresh on every call (a few small ops), never cached."""
+    if outer_offsets.is_inference() or inner_offsets.is_inference():
+        return build_schedule(outer_offsets, inner_offsets, max_outer_len, block_outer, lo_dist, hi_dist, heads)
     key = (id(outer_offsets), id(inner_offsets), max_outer_len, block_outer, lo_dist, hi_dist, heads)
     hit = _cache.get(key)
     if hit is not None:

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Issue 35's base-h200 quality run (15 minutes of training on one GPU, model selected on validation) and issue
+# 36's predict throughput on the GPU, in two chained device calls on one warm H100/H200 (the run directory
+# under runs/ stays between calls while the machine is held; torchrec as wheels in ./.whl, as in
+# tools/gpu_issue37.sh).
+#
+# Usage (repository root):
+#   bash tools/gpu_issue35_36.sh OUT train  SECONDS   # train base-h200 for SECONDS, then SIGTERM: the trainer
+#                                                     # stops after its step and checkpoints
+#   bash tools/gpu_issue35_36.sh OUT resume SECONDS   # resume the newest run to STEPS (below), test the best-
+#                                                     # validation checkpoint, then time predict on the test split
+# STEPS (default 6500, ~15 min at base-h200's ~135 ms/step) and the validation settings are the same in both.
+# Each call copies the run's metrics.jsonl / eval.json and its logs to OUT.
+set -uo pipefail
+OUT=${1:?usage: bash tools/gpu_issue35_36.sh OUT train|resume SECONDS}
+PHASE=${2:?train or resume}
+SECS=${3:?seconds}
+STEPS=${GEM35_STEPS:-6500}
+mkdir -p "$OUT"
+SITE=/tmp/gem-site
+if [[ ! -d $SITE ]] && compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl > "$OUT/pip.log" 2>&1
+fi
+export PYTHONPATH="$SITE:$(ls -d packages/*/src | tr '\n' ':')"
+export PYTHONUNBUFFERED=1
+export GEM_COMPILE_CACHE=${GEM_COMPILE_CACHE:-/tmp/gem35-compile-cache}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+ARGS=(--config base-h200 "train.steps=$STEPS" train.valid_every=1000 data.synthetic.valid_examples=32768
+      checkpoint.every=1000 run.out_dir=runs/q35 train.progress_bar=false train.log_every=250)
+status=0
+case $PHASE in
+  train)
+    # SIGTERM to python itself (no wrapper in between): one signal = stop after the step and checkpoint.
+    timeout -s TERM "$SECS" python3 -m gem_train.cli train "${ARGS[@]}" > "$OUT/train.log" 2>&1 || status=$?
+    ;;
+  resume)
+    timeout -s TERM "$SECS" python3 -m gem_train.cli train --resume latest "${ARGS[@]}" > "$OUT/train.log" 2>&1 \
+      || status=$?
+    RUN=$(ls -d runs/q35/*/ | tail -n 1)
+    if [[ -d $RUN/checkpoints/best ]]; then
+      for extra in ${GEM35_PREDICT_EXTRA:-""}; do
+        rm -rf /tmp/pred35
+        timeout ${GEM35_PREDICT_S:-240} python3 -m gem_train.cli predict --checkpoint "$RUN/checkpoints/best" --out /tmp/pred35 \
+          --split test --no-progress $extra data.synthetic.eval_examples=262144 \
+          >> "$OUT/predict.log" 2>&1 || echo "predict $extra failed: $?" >> "$OUT/predict.log"
+      done
+    fi
+    ;;
+esac
+RUN=$(ls -d runs/q35/*/ 2>/dev/null | tail -n 1)
+if [[ -n $RUN ]]; then
+  cp "$RUN"/metrics.jsonl "$RUN"/eval.json "$OUT"/ 2>/dev/null
+  ls "$RUN/checkpoints" > "$OUT/checkpoints.txt" 2>/dev/null
+fi
+echo "exit $status"
+tail -n 12 "$OUT/train.log"
+[[ -f $OUT/predict.log ]] && grep -E "examples/s|failed" "$OUT/predict.log"
+exit 0

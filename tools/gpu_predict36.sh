@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 36 on one H100/H200: the inference-mode GPU tests, then `gem-train predict` throughput with base-h200
+# (a 2-step checkpoint: weights do not change the speed), eager and --compile.
+# Usage (repository root): bash tools/gpu_predict36.sh OUT [ROWS]
+set -uo pipefail
+OUT=${1:?usage: bash tools/gpu_predict36.sh OUT [ROWS]}
+ROWS=${2:-262144}
+mkdir -p "$OUT"
+SITE=/tmp/gem-site
+if [[ ! -d $SITE ]] && compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl > "$OUT/pip.log" 2>&1
+fi
+export PYTHONPATH="$SITE:$(ls -d packages/*/src | tr '\n' ':')"
+export PYTHONUNBUFFERED=1
+export GEM_COMPILE_CACHE=${GEM_COMPILE_CACHE:-/tmp/gem36-compile-cache}
+export GEM_KERNELS_TUNE_CANDIDATES=${GEM_KERNELS_TUNE_CANDIDATES:-1}  # one attention tile per bucket (cold)
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+timeout 120 python3 -m pytest -q -p no:randomly -p no:cacheprovider \
+  packages/gem-model/tests/test_gem_model_gpu.py packages/gem-kernels/tests/test_attention_schedule.py \
+  > "$OUT/tests.log" 2>&1; echo "tests rc=$? $(tail -n 1 "$OUT/tests.log")"
+timeout 150 python3 -m gem_train.cli train --config base-h200 train.steps=2 train.compile=false \
+  run.out_dir=/tmp/ck36 train.progress_bar=false train.eval_every=0 checkpoint.every=0 \
+  data.synthetic.eval_examples=2048 > "$OUT/train.log" 2>&1; echo "train rc=$?"
+CK=$(ls -d /tmp/ck36/*/checkpoints/step_* | tail -n 1)
+for mode in ${GEM36_PREDICT_MODES:-eager compile}; do  # compile: predict --compile
+  extra=""; [[ $mode == compile ]] && extra=--compile
+  rm -rf /tmp/pred36
+  timeout 200 python3 -m gem_train.cli predict --checkpoint "$CK" --out /tmp/pred36 --split test --no-progress \
+    $extra "data.synthetic.eval_examples=$ROWS" >> "$OUT/predict.log" 2>&1
+  echo "predict $mode rc=$? $(grep -E 'examples/s' "$OUT/predict.log" | tail -n 1 | grep -o 'test .*')"
+done
