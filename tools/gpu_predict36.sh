@@ -26,7 +26,7 @@ CK=$(ls -d /tmp/ck36/*/checkpoints/step_* | tail -n 1)
 for mode in ${GEM36_PREDICT_MODES:-eager compile}; do  # compile: predict --compile
   extra=""; [[ $mode == compile ]] && extra=--compile
   rm -rf /tmp/pred36
-  timeout 200 python3 -m gem_train.cli predict --checkpoint "$CK" --out /tmp/pred36 --split test --no-progress \
+  timeout "${GEM36_PREDICT_S:-200}" python3 -m gem_train.cli predict --checkpoint "$CK" --out /tmp/pred36 --split test --no-progress \
     $extra "data.synthetic.eval_examples=$ROWS" >> "$OUT/predict.log" 2>&1
   echo "predict $mode rc=$? $(grep -E 'examples/s' "$OUT/predict.log" | tail -n 1 | grep -o 'test .*')"
 done
