@@ -17,15 +17,8 @@ PHASE=${2:?train or resume}
 SECS=${3:?seconds}
 STEPS=${GEM35_STEPS:-6500}
 mkdir -p "$OUT"
-SITE=/tmp/gem-site
-if [[ ! -d $SITE ]] && compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl > "$OUT/pip.log" 2>&1
-fi
-export PYTHONPATH="$SITE:$(ls -d packages/*/src | tr '\n' ':')"
-export PYTHONUNBUFFERED=1
+source tools/gpu_env.sh
 export GEM_COMPILE_CACHE=${GEM_COMPILE_CACHE:-/tmp/gem35-compile-cache}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 ARGS=(--config base-h200 "train.steps=$STEPS" train.valid_every=1000 data.synthetic.valid_examples=32768
       checkpoint.every=1000 run.out_dir=runs/q35 train.progress_bar=false train.log_every=250)
 status=0

@@ -6,16 +6,9 @@ set -uo pipefail
 OUT=${1:?usage: bash tools/gpu_predict36.sh OUT [ROWS]}
 ROWS=${2:-262144}
 mkdir -p "$OUT"
-SITE=/tmp/gem-site
-if [[ ! -d $SITE ]] && compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl > "$OUT/pip.log" 2>&1
-fi
-export PYTHONPATH="$SITE:$(ls -d packages/*/src | tr '\n' ':')"
-export PYTHONUNBUFFERED=1
+source tools/gpu_env.sh
 export GEM_COMPILE_CACHE=${GEM_COMPILE_CACHE:-/tmp/gem36-compile-cache}
 export GEM_KERNELS_TUNE_CANDIDATES=${GEM_KERNELS_TUNE_CANDIDATES:-1}  # one attention tile per bucket (cold)
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 timeout 120 python3 -m pytest -q -p no:randomly -p no:cacheprovider \
   packages/gem-model/tests/test_gem_model_gpu.py packages/gem-kernels/tests/test_attention_schedule.py \
   > "$OUT/tests.log" 2>&1; echo "tests rc=$? $(tail -n 1 "$OUT/tests.log")"
