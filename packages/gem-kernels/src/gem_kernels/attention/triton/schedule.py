@@ -89,7 +89,9 @@ def cached_schedule(
     Inference tensors (made under ``torch.inference_mode``) have no version counter, so a change in place
     could not be seen: their schedule is built afresh on every call (a few small ops), never cached."""
     if outer_offsets.is_inference() or inner_offsets.is_inference():
-        return build_schedule(outer_offsets, inner_offsets, max_outer_len, block_outer, lo_dist, hi_dist, heads)
+        return build_schedule(
+            outer_offsets, inner_offsets, max_outer_len, block_outer, lo_dist, hi_dist, heads
+        )
     key = (id(outer_offsets), id(inner_offsets), max_outer_len, block_outer, lo_dist, hi_dist, heads)
     hit = _cache.get(key)
     if hit is not None:
