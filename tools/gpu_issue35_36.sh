@@ -9,7 +9,8 @@
 #                                                     # stops after its step and checkpoints
 #   bash tools/gpu_issue35_36.sh OUT resume SECONDS   # resume the newest run to STEPS (below), test the best-
 #                                                     # validation checkpoint, then time predict on the test split
-# STEPS (default 6500, ~15 min at base-h200's ~135 ms/step) and the validation settings are the same in both.
+# STEPS (GEM35_STEPS, default 6500; the H100 ran ~165 ms a step with validation) and the validation settings
+# are the same in both; GEM35_EXTRA adds settings to both.
 # Each call copies the run's metrics.jsonl / eval.json and its logs to OUT.
 set -uo pipefail
 OUT=${1:?usage: bash tools/gpu_issue35_36.sh OUT train|resume SECONDS}
@@ -21,6 +22,9 @@ source tools/gpu_env.sh
 export GEM_COMPILE_CACHE=${GEM_COMPILE_CACHE:-/tmp/gem35-compile-cache}
 ARGS=(--config base-h200 "train.steps=$STEPS" train.valid_every=1000 data.synthetic.valid_examples=32768
       checkpoint.every=1000 run.out_dir=runs/q35 train.progress_bar=false train.log_every=250)
+# More settings for both calls (the same in each: a resume refuses a change of meaning), e.g. the synthetic levers.
+read -r -a EXTRA <<< "${GEM35_EXTRA:-}"
+ARGS+=("${EXTRA[@]}")
 status=0
 case $PHASE in
   train)
