@@ -27,17 +27,9 @@ PARTS=${2:-tests,allgather,fp8layers,wsprobe,base,large}
 DEADLINE=${GEM37_DEADLINE_S:-470}
 START=$SECONDS
 mkdir -p "$OUT"
-SITE=""
-if compgen -G ".whl/*.whl" > /dev/null; then
-  SITE=/tmp/gem-site
-  python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl > "$OUT/pip.log" 2>&1
-fi
-export PYTHONPATH="${SITE:+$SITE:}$(ls -d packages/*/src | tr '\n' ':')"
-export PYTHONUNBUFFERED=1
+source tools/gpu_env.sh  # wheels, PYTHONPATH, the device line in $OUT/device.txt
 export GEM_KERNELS_TUNE_CANDIDATES=${GEM_KERNELS_TUNE_CANDIDATES:-1}  # one attention tile per bucket (cold)
 export GEM_COMPILE_CACHE=${GEM_COMPILE_CACHE:-/tmp/gem37-compile-cache}  # not under OUT (large)
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
 status=0
 # part NAME NEEDS_S COMMAND...: run if NEEDS_S seconds are left before the deadline (else skip), under a

@@ -36,24 +36,22 @@ def main() -> None:
     if args.chunks and args.rows:
         p.error("vary one thing: --chunks or --rows")
 
+    from bench_predict import _checkpoint as one_step_checkpoint  # this folder's script
+
     import gem_model.rowwise as rowwise
     from gem_train.checkpoint import load_checkpoint
     from gem_train.config import load_config
     from gem_train.loop.build import build_run
-    from gem_train.loop.trainer import Trainer
     from gem_train.transfer.heap import keep_freed_memory
     from gem_train.transfer.predict import forward_outputs
 
     torch.set_num_threads(1)
     keep_freed_memory()
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config("tiny-cpu", ["train.steps=1", f"run.out_dir={tmp}", "train.progress_bar=false",
-                                       "train.eval_every=0", "checkpoint.every=0",
-                                       "data.synthetic.eval_examples=1024"])  # fmt: skip
-        ckpt = Trainer(cfg).fit().last_checkpoint
+        ckpt = one_step_checkpoint(Path(tmp), "gem")
         cfg = load_config("tiny-cpu", [f"data.synthetic.eval_examples={2 * args.examples}"])
         run = build_run(cfg, training=False)
-        load_checkpoint(str(ckpt), run.model, None, restore_rng=False)
+        load_checkpoint(ckpt, run.model, None, restore_rng=False)
     model, cpu = run.model.eval(), torch.device("cpu")
     rows = args.rows or [2048]
     chunks = args.chunks or [rowwise.ROW_CHUNK]

@@ -4,9 +4,9 @@ A chain of per-token ops over a history (``RMSNorm -> W13 -> silu * -> W2 -> + s
 of ``[tokens, width]``: at the tiny model's ~44,000 tokens a batch of 2,048, ``[44k, 128]`` fp32 is 22 MB,
 far beyond a core's L2 (1-2 MB), so every op streams its input from L3 or DRAM and writes its output back.
 Run over chunks of :data:`ROW_CHUNK` rows, each op's operand is still in cache from the op before: the FFN
-block alone went from 14.1 to 8.9 ms at ``[44k, 32]`` (one core of the 2-core AMD EPYC machine), the tiny
-model's whole forward ~1.1x with the FFN block and the attention projections chunked (gem-train
-BENCHMARKS.md, issue 36).
+block alone went from 14.1 to 8.9 ms at ``[44k, 32]`` (one core of the 2-core AMD EPYC machine); the tiny
+model's whole forward, with the FFN block and the attention projections chunked, 1.03x alone and 1.06x beside
+a second process on the other core (gem-train BENCHMARKS.md, issue 36).
 
 Only where it changes nothing but speed: autograd off (no graph to keep whole), a CPU tensor of more than one
 chunk, and not while ``torch.compile`` traces (inductor fuses such chains itself). Every op of a chain must

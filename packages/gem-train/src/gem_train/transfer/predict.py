@@ -54,12 +54,12 @@ SHARD_ROWS = 65_536  # rows per shard at most (about): one shard is what a rank 
 # one idle, while each shard costs a file, its fsync and its rename (~7 ms). The layout depends on the split
 # alone, never on the world size, so a rerun under another world size finds its shards.
 MIN_SHARDS = 16
+MIN_SHARD_ROWS = 8_192
 # Rows of one forward at least (consecutive batches of a shard concatenated): the per-op and per-group costs
 # of a CPU forward spread over more rows. GEM tiny's forward on one core of the 2-core CPU machine, examples/s
 # by forward rows (interleaved in one process, medians of 8 rounds): 256 -> 7,806; 512 -> 9,056;
 # 1,024 -> 9,795; 2,048 -> 10,543; 4,096 -> 10,383.
 MIN_FORWARD_ROWS = 2048
-MIN_SHARD_ROWS = 8_192
 
 
 @dataclass
