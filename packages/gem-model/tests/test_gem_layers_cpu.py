@@ -7,6 +7,8 @@ differ by a few ulps of the dtype: fp64 < 1e-14 relative (eps 2.2e-16), fp32 < 2
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,3 +106,47 @@ def test_swiglu_fused_flag_same_values_and_replaced_projections_are_called():
     fused.w13 = swapped
     torch.testing.assert_close(fused(x), out_plain.detach(), rtol=1e-6, atol=1e-7)
     assert _ReplacedLinear.calls == 1
+
+
+@pytest.fixture
+def empty_is_nan():
+    """Deterministic mode fills ``torch.empty``'s memory with NaN: an uninitialised parameter shows."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.empty(4).isnan().all()
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def test_modules_built_on_a_device_are_initialised_and_meta_ones_wait(empty_is_nan):
+    """Every gem-model module with a ``torch.empty`` parameter of its own is usable as built (a piece
+    lifted into another stack has no ``GemModel.init_weights``), as ``nn.Linear`` is; on meta nothing runs."""
+    from gem_model import FeatureSpec, SequenceFeature, SparseFeature, get_config
+    from gem_model.attention import PoolingAttention
+    from gem_model.layers import TokenLinear
+    from gem_model.model import InputEncoder
+    from gem_model.target import TargetAttention
+
+    def built(device: str) -> list[torch.nn.Module]:
+        pma = dict(kind="softmax", activation="silu", max_history_len=8, qk_norm=True)
+        spec = FeatureSpec(
+            n_dense=4,
+            sparse=(SparseFeature("user", 40),),
+            sequences=(SequenceFeature("hist", 60, 4, 24), SequenceFeature("ads", 20, 3, 12)),
+        )  # two sequences: InputEncoder has its seq_type parameter
+        config = dataclasses.replace(get_config("tiny"), features=spec)
+        return [
+            WukongLayer(n_in=7, n_out=5, n_fm=3, d_model=8, rank=4, hidden=16, eps=1e-5, device=device),
+            PoolingAttention(8, 2, 4, 3, **pma, device=device),  # type: ignore[arg-type]
+            TargetAttention(8, 6, 2, 4, num_actions=3, qk_norm=True, rotary_base=1e4, device=device),
+            TokenLinear(7, 5, device=device),
+            InputEncoder(config, device=device),
+        ]
+
+    for module in built("cpu"):
+        for name, p in module.named_parameters():
+            assert p.isfinite().all(), f"{type(module).__name__}.{name} left uninitialised"
+    for module in built("meta"):
+        assert all(p.is_meta for p in module.parameters())

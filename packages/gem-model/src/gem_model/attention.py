@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 import gem_kernels
-from gem_model.layers import RMSNorm, init_linear
+from gem_model.layers import RMSNorm, init_linear, init_unless_meta
 from gem_model.rowwise import rowwise
 
 __all__ = ["ContextCrossAttention", "PoolingAttention", "SequenceSelfAttention", "fixed_offsets"]
@@ -219,6 +219,7 @@ class PoolingAttention(nn.Module):
         self.kv = nn.Linear(d_model, 2 * n_heads * head_dim, bias=False, device=device)
         self.out = nn.Linear(n_heads * head_dim, d_model, bias=False, device=device)
         self.qk_norm = _QKNorm(head_dim, qk_norm, norm_eps, device)
+        init_unless_meta(self, self.seeds)
 
     def reset_parameters(self) -> None:
         nn.init.trunc_normal_(self.seeds, std=1.0, a=-3.0, b=3.0)

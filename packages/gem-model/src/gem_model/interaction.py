@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 import gem_kernels
 from gem_model.attention import PoolingAttention
-from gem_model.layers import Gating, RMSNorm, TokenLinear, init_linear
+from gem_model.layers import Gating, RMSNorm, TokenLinear, init_linear, init_unless_meta
 
 __all__ = ["NonSequenceSummary", "SequenceSummary", "WukongEnsemble", "WukongLayer"]
 
@@ -105,6 +105,7 @@ class WukongLayer(nn.Module):
         self.lcb = TokenLinear(n_in, n_out - n_fm, device=device) if n_out > n_fm else None
         self.residual = TokenLinear(n_in, n_out, device=device)
         self.norm = nn.LayerNorm(d_model, eps=eps, device=device)
+        init_unless_meta(self, self.fm_y)
 
     def reset_parameters(self) -> None:
         nn.init.trunc_normal_(self.fm_y, std=self.n_in**-0.5, a=-3 * self.n_in**-0.5, b=3 * self.n_in**-0.5)

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 import gem_kernels
 
-__all__ = ["Gating", "RMSNorm", "SwiGLU", "TokenLinear", "init_linear"]
+__all__ = ["Gating", "RMSNorm", "SwiGLU", "TokenLinear", "init_linear", "init_unless_meta"]
 
 
 def init_linear(linear: nn.Linear, std: float | None = None) -> None:
@@ -23,6 +23,18 @@ def init_linear(linear: nn.Linear, std: float | None = None) -> None:
     nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
     if linear.bias is not None:
         nn.init.zeros_(linear.bias)
+
+
+def init_unless_meta(module: nn.Module, own: Tensor) -> None:
+    """Calls ``module.reset_parameters()`` unless ``own`` (a parameter the module made with ``torch.empty``)
+    lives on the meta device.
+
+    As ``nn.Linear`` does: a module built on a real device is usable at once (a piece lifted into another
+    stack has no :meth:`GemModel.init_weights` to fill its uninitialised memory); one built on meta waits
+    for ``to_empty`` and ``init_weights``.
+    """
+    if own.device.type != "meta":
+        module.reset_parameters()  # type: ignore[operator]
 
 
 class RMSNorm(nn.RMSNorm):
@@ -73,12 +85,11 @@ class TokenLinear(nn.Module):
         super().__init__()
         self.n_in, self.n_out = n_in, n_out
         self.weight = nn.Parameter(torch.empty(n_out, n_in, device=device))
-        self.reset_parameters()
+        init_unless_meta(self, self.weight)
 
     def reset_parameters(self) -> None:
-        if self.weight.device.type != "meta":
-            std = 1.0 / math.sqrt(self.n_in)
-            nn.init.trunc_normal_(self.weight, std=std, a=-3 * std, b=3 * std)
+        std = 1.0 / math.sqrt(self.n_in)
+        nn.init.trunc_normal_(self.weight, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[B, n_in, d]`` -> ``[B, n_out, d]``."""

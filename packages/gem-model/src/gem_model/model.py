@@ -30,7 +30,7 @@ from gem_model.config import GemConfig
 from gem_model.crosses import HistoryCrosses
 from gem_model.embeddings import GemEmbeddings
 from gem_model.interaction import NonSequenceSummary, SequenceSummary, WukongEnsemble, WukongLayer
-from gem_model.layers import RMSNorm, SwiGLU, init_linear
+from gem_model.layers import RMSNorm, SwiGLU, init_linear, init_unless_meta
 from gem_model.rowwise import rowwise
 from gem_model.target import TargetAttention, first_of_timestamp, history_action_loss
 
@@ -107,6 +107,7 @@ class InputEncoder(nn.Module):
         self.register_buffer(
             "time_freqs", freqs.to(device) if device is not None else freqs, persistent=False
         )
+        init_unless_meta(self, self.time_freqs)
 
     def reset_parameters(self) -> None:
         for linear in (self.dense, self.sparse_proj, self.seq_proj, self.time_proj):

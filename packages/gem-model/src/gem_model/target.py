@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 import gem_kernels
 from gem_model.attention import _QKNorm, fixed_offsets
-from gem_model.layers import RMSNorm, init_linear
+from gem_model.layers import RMSNorm, init_linear, init_unless_meta
 
 __all__ = ["TargetAttention", "first_of_timestamp", "history_action_loss"]
 
@@ -109,6 +109,7 @@ class TargetAttention(nn.Module):
         self.mix = nn.Linear(3 * d_model, d_model, device=device)
         self.action_head = nn.Linear(d_model, num_actions, device=device) if num_actions else None
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        init_unless_meta(self, self.none_token)
 
     def reset_parameters(self) -> None:
         nn.init.trunc_normal_(self.none_token, std=0.02)
