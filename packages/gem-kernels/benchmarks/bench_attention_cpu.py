@@ -11,6 +11,12 @@ for ``tiny``) three ways, alternating in one process: the padded groups with bat
 groups through PyTorch's fused CPU kernel (softmax only), and the CSR products over the visible pairs
 (``attention.cpu_sparse``); ``auto`` names the one ``attention.cpu`` picks. Each call starts with the memos
 empty (the index plans and patterns a model's later calls reuse), so these are first-call costs.
+
+``--backward`` times the backward alone at the training shapes (``--dim 16`` for ``tiny``), the forward's
+``out`` and LSE given as the autograd op gives them, alternating in one process: the padded groups with
+batched matmuls (the backward before 2026-12-07, every call) against what ``attention.cpu`` picks now (the CSR
+backward for a short side, the fused kernel's backward for fp32 softmax, else the matmuls). Plans and
+patterns stay memoised, as in a training step (the forward built them).
 """
 
 from __future__ import annotations
@@ -58,6 +64,39 @@ def _forward_only(q, k, v, dout, qo, ko, act, left, right, mode: str) -> None:
         cpu._FLASH_CPU, cpu_sparse.SHORT_SIDE = saved
 
 
+def _backward_only(dout, q, k, v, qo, ko, act, left, right, out, lse, mode: str) -> None:
+    """One backward; ``mode``: "matmul" (padded batched matmuls, whatever the call) or "auto"."""
+    args = (q, k, v, qo, ko, act, left, right, q.shape[2] ** -0.5, 1.0 / 64)
+    if mode == "auto":
+        cpu.attention_bwd(dout, *args, out=out, lse=lse)
+        return
+    saved = cpu_sparse.SHORT_SIDE
+    cpu_sparse.SHORT_SIDE = 0
+    try:
+        cpu.attention_bwd(dout, *args)
+    finally:
+        cpu_sparse.SHORT_SIDE = saved
+
+
+def _backward_table(cases, args, g) -> None:
+    print(f"{'case (backward only)':<26} {'matmul ms':>9} {'auto ms':>9} {'ratio':>6} {'auto takes':>11}")
+    for name, lq, lk, act, left, right in cases:
+        q, k, v, dout, qo, ko = _case(lq, lk, args.heads, args.dim, g)
+        out, lse = cpu.attention_fwd(q, k, v, qo, ko, act, left, right, q.shape[2] ** -0.5, 1.0 / 64)
+        ms = {mode: [] for mode in ("matmul", "auto")}
+        for _ in range(args.rounds):  # alternating: this machine's load drifts between runs
+            for mode in ms:
+                tensors = (dout, q, k, v, qo, ko, act, left, right, out, lse)
+                ms[mode].append(timeit(functools.partial(_backward_only, *tensors, mode), args.iters))
+        m, a = (sorted(ms[mode])[len(ms[mode]) // 2] for mode in ("matmul", "auto"))
+        takes = (
+            "csr"
+            if cpu_sparse.applies(int(lq.max()), int(lk.max()))
+            else ("fused" if act == "softmax" else "matmul")
+        )
+        print(f"{name:<26} {m:>9.2f} {a:>9.2f} {m / a:>5.2f}x {takes:>11}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
@@ -68,6 +107,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
     parser.add_argument("--forward", action="store_true", help="forward only: fused kernel vs batched matmul")
+    parser.add_argument("--backward", action="store_true", help="backward only: before (matmul) vs now")
+    parser.add_argument("--rounds", type=int, default=5, help="--backward: alternating rounds (median)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -80,7 +121,7 @@ def main() -> None:
         ("cross PMA: seeds x hist", few, hist, "softmax", -1, -1),
         ("cross: hist x seeds", hist, few, "softmax", -1, -1),
     ]
-    if args.forward:
+    if args.forward or args.backward:
         cases = [
             ("self causal softmax", hist, hist, "softmax", -1, 0),
             ("self window 16 softmax", hist, hist, "softmax", 16, 0),
@@ -92,9 +133,12 @@ def main() -> None:
     print(
         f"B={args.batch} H={args.heads} D={args.dim} lengths log-normal(2.8, 0.9) in [1, {args.max_len}] "
         f"(mean {hist.float().mean():.1f}), threads={torch.get_num_threads()}, fp32, "
-        f"{'forward' if args.forward else 'fwd+bwd'}, median of "
+        f"{'forward' if args.forward else 'backward' if args.backward else 'fwd+bwd'}, median of "
         f"{args.iters}"
     )
+    if args.backward:
+        _backward_table(cases, args, g)
+        return
     if args.forward:
         print(f"{'case (forward only)':<26} {'matmul ms':>9} {'fused ms':>9} {'CSR ms':>8} {'auto':>6}")
         for name, lq, lk, act, left, right in cases:

@@ -69,7 +69,7 @@ def _compare(lq, lk, act, band, dtype, seed, dv=5):
     args = (q, k, v, qo, ko, act, *band, 0.37, 0.61)
     out, lse = cpu.attention_fwd(*args)
     out_ref, lse_ref = reference.attention_fwd(*args)
-    grads = cpu.attention_bwd(dout, *args)
+    grads = cpu.attention_bwd(dout, *args, out=out, lse=lse)  # as the autograd op calls it
     grads_ref = reference.attention_bwd(dout, *args)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_ref, *grads_ref), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), name
@@ -105,59 +105,46 @@ def _count_flash(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
 @pytest.mark.parametrize("band", BANDS, ids=lambda b: f"l{b[0]}r{b[1]}")
 @pytest.mark.parametrize("act", ACTS)
-def test_sparse_forward_matches_oracle(monkeypatch, act, band, dtype):
-    """The CSR forward (:mod:`gem_kernels.attention.cpu_sparse`) taking every call, long sides included:
-    values and LSE (``-inf`` where a valid query sees no key) against the oracle, every band and
-    activation."""
+def test_sparse_path_matches_oracle(monkeypatch, act, band, dtype):
+    """The CSR forward and backward (:mod:`gem_kernels.attention.cpu_sparse`) taking every call, long sides
+    included: values, LSE (``-inf`` where a valid query sees no key) and the three gradients against the
+    oracle, every band and activation; no padded group is formed."""
     monkeypatch.setattr(cpu_sparse, "SHORT_SIDE", 10**9)
     calls = _count_groups(monkeypatch)
     for i, (lq, lk) in enumerate(CASES):
-        q, k, v, _, qo, ko = _inputs(lq, lk, dtype, seed=9000 + 10 * BANDS.index(band) + i)
-        args = (q, k, v, qo, ko, act, *band, 0.37, 0.61)
-        out, lse = cpu.attention_fwd(*args)
-        out_ref, lse_ref = reference.attention_fwd(*args)
-        assert out.dtype == dtype and out.shape == out_ref.shape and out.is_contiguous()
-        assert _rel(out, out_ref) < TOL[dtype], _rel(out, out_ref)
-        assert lse.dtype == torch.float32 and lse.shape == lse_ref.shape
-        assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
-        finite = torch.isfinite(lse_ref)
-        torch.testing.assert_close(lse[finite], lse_ref[finite], rtol=1e-6, atol=1e-6)
-    assert calls == []  # no padded group was formed
+        _compare(lq, lk, act, band, dtype, seed=9000 + 10 * BANDS.index(band) + i)
+    assert calls == []
 
 
 @pytest.mark.parametrize("act", ("softmax", "silu"))
-def test_sparse_forward_random_ragged_batches(monkeypatch, act):
-    """Fresh random length mixes (log-normal, with zeros), self and cross, all through the CSR forward."""
+def test_sparse_path_random_ragged_batches(monkeypatch, act):
+    """Fresh random length mixes (log-normal, with zeros), self and cross, all through the CSR path."""
     monkeypatch.setattr(cpu_sparse, "SHORT_SIDE", 10**9)
     g = torch.Generator().manual_seed(2027)
     for trial in range(6):
         lq, lk = _random_lengths(g, cross=bool(trial % 2))
-        q, k, v, _, qo, ko = _inputs(lq, lk, torch.float64, seed=trial, dv=8 if trial % 3 else 5)
-        args = (q, k, v, qo, ko, act, *BANDS[trial % len(BANDS)], 0.37, 0.61)
-        out, lse = cpu.attention_fwd(*args)
-        out_ref, lse_ref = reference.attention_fwd(*args)
-        assert _rel(out, out_ref) < TOL[torch.float64]
-        finite = torch.isfinite(lse_ref)
-        assert torch.equal(finite, torch.isfinite(lse))
-        torch.testing.assert_close(lse[finite], lse_ref[finite], rtol=1e-6, atol=1e-6)
+        _compare(lq, lk, act, BANDS[trial % len(BANDS)], torch.float64, seed=trial, dv=8 if trial % 3 else 5)
 
 
-def test_short_sides_take_the_sparse_forward(monkeypatch):
-    """PMA-like (2 queries a sequence) and context cross-attention (6 keys) calls take the CSR forward;
-    self-attention over longer histories keeps the padded groups."""
-    taken: list[tuple[int, int]] = []
-    real = cpu_sparse.attention_fwd
+def test_short_sides_take_the_sparse_path(monkeypatch):
+    """PMA-like (2 queries a sequence) and context cross-attention (6 keys) calls take the CSR forward and
+    backward; self-attention over longer histories keeps the padded groups."""
+    taken: list[tuple[str, int, int]] = []
+    for name in ("attention_fwd", "attention_bwd"):
+        real = getattr(cpu_sparse, name)
 
-    def counting(q, k, *args, **kwargs):
-        taken.append((q.shape[0], k.shape[0]))
-        return real(q, k, *args, **kwargs)
+        def counting(*args, _real=real, _name=name, **kwargs):
+            q, k = args[:2] if _name == "attention_fwd" else args[1:3]
+            taken.append((_name[-3:], q.shape[0], k.shape[0]))
+            return _real(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_sparse, "attention_fwd", counting)
+        monkeypatch.setattr(cpu_sparse, name, counting)
     lengths = [0, 1, 9, 30, 17]
     for lq, lk in (([2] * 5, lengths), (lengths, [6] * 5), (lengths, None)):
-        q, k, v, _, qo, ko = _inputs(lq, lk, torch.float32, seed=1)
-        cpu.attention_fwd(q, k, v, qo, ko, "softmax", -1, -1, 0.3, 1.0)
-    assert taken == [(10, 57), (57, 30)]
+        q, k, v, dout, qo, ko = _inputs(lq, lk, torch.float32, seed=1)
+        args = (q, k, v, qo, ko, "softmax", -1, -1, 0.3, 1.0)
+        cpu.attention_bwd(dout, *args, *cpu.attention_fwd(*args))
+    assert taken == [("fwd", 10, 57), ("bwd", 10, 57), ("fwd", 57, 30), ("bwd", 57, 30)]
 
 
 @pytest.mark.skipif(cpu._FLASH_CPU is None, reason="this torch has no fused CPU flash-attention kernel")
@@ -184,6 +171,55 @@ def test_flash_absent_falls_back(monkeypatch):
     assert calls == []
     torch.testing.assert_close(fused[0], plain[0], rtol=1e-12, atol=1e-12)
     assert torch.equal(torch.isinf(fused[1]), torch.isinf(plain[1]))
+
+
+def _count_flash_bwd(monkeypatch) -> list[int]:
+    """Patch the fused backward kernel to record each group it takes (its size)."""
+    calls: list[int] = []
+    real = cpu._FLASH_CPU_BWD
+
+    def counting(dout, q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(dout, q, *args, **kwargs)
+
+    monkeypatch.setattr(cpu, "_FLASH_CPU_BWD", counting)
+    return calls
+
+
+@pytest.mark.skipif(cpu._FLASH_CPU_BWD is None, reason="this torch has no fused CPU flash-attention backward")
+@pytest.mark.parametrize("band", BANDS, ids=lambda b: f"l{b[0]}r{b[1]}")
+def test_flash_backward_matches_oracle(monkeypatch, band):
+    """fp32 softmax given the forward's ``out`` and LSE: the fused kernel's backward, every mask shape (none,
+    band, key padding, both; valid queries that see no key under the window (2, 1) over short keys), short
+    sides too (the CSR path off), then fresh random ragged batches; gradients against the oracle."""
+    monkeypatch.setattr(cpu_sparse, "SHORT_SIDE", 0)
+    calls = _count_flash_bwd(monkeypatch)
+    for i, (lq, lk) in enumerate(CASES):
+        _compare(lq, lk, "softmax", band, torch.float32, seed=7100 + 10 * BANDS.index(band) + i, dv=8)
+    g = torch.Generator().manual_seed(2028 + BANDS.index(band))
+    for trial in range(4):
+        lq, lk = _random_lengths(g, cross=bool(trial % 2))
+        _compare(lq, lk, "softmax", band, torch.float32, seed=trial, dv=8)
+    assert calls, "the fused backward never ran"
+
+
+@pytest.mark.skipif(cpu._FLASH_CPU_BWD is None, reason="this torch has no fused CPU flash-attention backward")
+def test_flash_backward_needs_fp32_and_the_forward_results(monkeypatch):
+    """Without ``out`` and LSE, or in fp64 (whose forward LSE was rounded to fp32), the backward takes the
+    batched matmuls: the same gradients to each dtype's rounding."""
+    calls = _count_flash_bwd(monkeypatch)
+    for dtype in (torch.float32, torch.float64):
+        q, k, v, dout, qo, ko = _inputs([5, 0, 17, 1, 12], [3, 4, 0, 9, 12], dtype, seed=11, dv=8)
+        args = (q, k, v, qo, ko, "softmax", 2, 1, 0.37, 1.0)
+        out, lse = cpu.attention_fwd(*args)
+        calls.clear()
+        with_results = cpu.attention_bwd(dout, *args, out=out, lse=lse)
+        assert bool(calls) == (dtype == torch.float32)
+        calls.clear()
+        without = cpu.attention_bwd(dout, *args)
+        assert calls == []
+        for a, b in zip(with_results, without, strict=True):
+            assert _rel(a, b) < TOL[dtype]
 
 
 @pytest.mark.parametrize("act", ("softmax", "silu"))

@@ -253,11 +253,36 @@ def _probs_(s: torch.Tensor, masked_out: torch.Tensor) -> tuple[torch.Tensor, to
 # tiles instead of materialising ``[H, G, Lq, Lk]``: ~1.4-1.7x the batched-matmul softmax at the tiny model's
 # shapes (B=1024, H=2, D=16, lengths ~lognormal up to 64, 1 thread). Absent from a build -> the matmul path.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Its backward (what autograd runs after the public function): given the forward's output and log-sum-exp it
+# recomputes the scores in tiles as well. ~2x the batched-matmul backward at the tiny model's self-attention.
+_FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def _flash_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the fused kernel can take this call: present, on the CPU, and ``D == Dv`` (its contract)."""
     return _FLASH_CPU is not None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+
+
+def _flash_mask(grp: _Group, dtype: torch.dtype, device: torch.device) -> tuple[bool, torch.Tensor | None]:
+    """The fused kernel's masking of one group: ``(is_causal, attn_mask)``, the mask additive (``0`` /
+    ``-inf``, the kernel's contract) ``[G or 1, 1, Lq, Lk]`` in ``dtype`` and as small as the group allows:
+    none when the band is causal and every sequence has ``Lq == Lk`` (``is_causal`` then); the band ``[Lq,
+    Lk]`` alone when no valid query's band reaches past its sequence's keys (self-attention with ``right =
+    0``); else band and key padding."""
+    if grp.left < 0 and grp.right == 0 and grp.lq == grp.lk and torch.equal(grp.q_len, grp.k_len):
+        return True, None
+    excess = int((grp.q_len - grp.k_len).max())  # the most queries a sequence has beyond its keys
+    visible = grp.band()  # [Lq, Lk] or None
+    reach_past = grp.right < 0 or excess + grp.right > 0
+    if reach_past and not bool((grp.k_len == grp.lk).all()):
+        k_valid = (torch.arange(grp.lk)[None, :] < grp.k_len[:, None])[:, None, :]  # [G, 1, Lk]
+        visible = k_valid if visible is None else visible[None] & k_valid
+    if visible is None:  # every key visible to every query
+        return False, None
+    while visible.dim() < 3:
+        visible = visible[None]
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return False, mask[:, None].to(device)
 
 
 def _flash_softmax(
@@ -267,33 +292,16 @@ def _flash_softmax(
     ``[G, H, Lk, D]`` (one float dtype, any strides) -> ``out`` ``[G, H, Lq, D]`` (the kernel lays it out
     as ``[G, Lq, H, D]`` in memory) and ``lse`` ``[G, H, Lq]`` fp32 (memory ``[G, Lq, H]``).
 
-    The mask is additive (``0`` / ``-inf``, the kernel's contract) and as small as the group allows: none
-    when the band is causal and every sequence has ``Lq == Lk``; the band ``[Lq, Lk]`` alone when no
-    valid query's band reaches past its sequence's keys (self-attention with ``right = 0``); else band and
-    key padding ``[G, Lq, Lk]``. Padded query rows produce values that are scattered to the discarded row. A
+    Masking: :func:`_flash_mask`. Padded query rows produce values that are scattered to the discarded row. A
     valid query with no visible key (possible only when ``Lq - Lk > left >= 0``) gets ``out = 0`` from the
     kernel, as here, but ``lse = 0``: it is set to ``-inf``."""
     assert _FLASH_CPU is not None
-    if grp.left < 0 and grp.right == 0 and grp.lq == grp.lk and torch.equal(grp.q_len, grp.k_len):
-        out, lse = _FLASH_CPU(qb, kb, vb, is_causal=True, scale=qk_scale)
-        return out, lse.float()
-    excess = int((grp.q_len - grp.k_len).max())  # the most queries a sequence has beyond its keys
-    visible = grp.band()  # [Lq, Lk] or None
-    reach_past = grp.right < 0 or excess + grp.right > 0
-    if reach_past and not bool((grp.k_len == grp.lk).all()):
-        k_valid = (torch.arange(grp.lk)[None, :] < grp.k_len[:, None])[:, None, :]  # [G, 1, Lk]
-        visible = k_valid if visible is None else visible[None] & k_valid
-    mask = None  # None: every key visible to every query
-    if visible is not None:
-        while visible.dim() < 3:
-            visible = visible[None]
-        mask = torch.zeros(visible.shape, dtype=qb.dtype).masked_fill_(~visible, float("-inf"))
-        mask = mask[:, None].to(qb.device)
-    out, lse = _FLASH_CPU(qb, kb, vb, attn_mask=mask, scale=qk_scale)
+    is_causal, mask = _flash_mask(grp, qb.dtype, qb.device)
+    out, lse = _FLASH_CPU(qb, kb, vb, is_causal=is_causal, attn_mask=mask, scale=qk_scale)
     lse = lse.float()
-    if visible is not None and grp.left >= 0 and excess > grp.left:
-        no_key = ~visible.any(dim=-1)  # [G or 1, Lq]; padded query rows too, whose values are discarded
-        lse = lse.masked_fill(no_key[:, None].to(lse.device), float("-inf"))
+    if mask is not None and grp.left >= 0 and int((grp.q_len - grp.k_len).max()) > grp.left:
+        no_key = torch.isneginf(mask).all(dim=-1)[:, 0]  # [G or 1, Lq]; padded query rows too (discarded)
+        lse = lse.masked_fill(no_key[:, None], float("-inf"))
     return out, lse
 
 
@@ -306,6 +314,15 @@ def _gather_rows(flat: torch.Tensor, src: torch.Tensor, pad: torch.Tensor, cdt: 
     if pad.numel():
         out.index_fill_(0, pad, 0)
     return out
+
+
+def _kernel_rows(
+    flat: torch.Tensor, src: torch.Tensor, pad: torch.Tensor, cdt: torch.dtype, size: int
+) -> torch.Tensor:
+    """A group's rows of ``flat`` ``[N, H, X]`` (:func:`_gather_rows`, ``[size * L, H, X]``) as the fused
+    kernel takes them: the ``[size, H, L, X]`` view of ``[size, L, H, X]`` memory."""
+    rows = _gather_rows(flat, src, pad, cdt)
+    return rows.view(size, -1, *rows.shape[1:]).transpose(1, 2)
 
 
 def _flash_fwd(
@@ -327,13 +344,54 @@ def _flash_fwd(
     out = torch.zeros(q.shape[0] + 1, heads, dv, dtype=cdt, device=q.device)
     lse = torch.full((q.shape[0] + 1, heads), float("-inf"), dtype=torch.float32, device=q.device)
     for grp in _groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
-        qb = _gather_rows(q, grp.q_src, grp.q_pad, cdt).view(grp.size, grp.lq, heads, -1).transpose(1, 2)
-        kb = _gather_rows(k, grp.k_src, grp.k_pad, cdt).view(grp.size, grp.lk, heads, -1).transpose(1, 2)
-        vb = _gather_rows(v, grp.k_src, grp.k_pad, cdt).view(grp.size, grp.lk, heads, -1).transpose(1, 2)
+        qb = _kernel_rows(q, grp.q_src, grp.q_pad, cdt, grp.size)
+        kb, vb = (_kernel_rows(t, grp.k_src, grp.k_pad, cdt, grp.size) for t in (k, v))
         ob, lse_b = _flash_softmax(qb, kb, vb, grp, qk_scale)
         out.index_copy_(0, grp.q_idx, ob.transpose(1, 2).reshape(-1, heads, dv))
         lse.index_copy_(0, grp.q_idx, lse_b.transpose(1, 2).reshape(-1, heads))
     return out[:-1].to(q.dtype), lse[:-1]
+
+
+def _flash_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    left: int,
+    right: int,
+    qk_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax backward through the fused kernel's backward, group by group as :func:`_flash_fwd` (the same
+    groups and masks), from the forward's ``out`` ``[total_q, H, Dv]`` and fp32 ``lse`` ``[total_q, H]``.
+    Rows are gathered in the tokens' layout and the gradients scattered back as they lie.
+
+    A valid query with no visible key has ``lse = -inf`` here and ``0`` in the kernel's contract (its scores
+    are all ``-inf``, so ``p = 0`` and its gradients vanish either way): it is handed over as ``0``. Padded
+    query rows gather zero ``dout`` and ``out``, so they add nothing to ``dk`` and ``dv``."""
+    assert _FLASH_CPU_BWD is not None
+    cdt = compute_dtype(q)
+    heads, d, dv_dim = q.shape[1], q.shape[2], v.shape[2]
+    # Rows of sequences in no group (no query or no key) stay 0; the last row takes the padding.
+    dq = torch.zeros(q.shape[0] + 1, heads, d, dtype=cdt, device=q.device)
+    dk = torch.zeros(k.shape[0] + 1, heads, d, dtype=cdt, device=q.device)
+    dv = torch.zeros(v.shape[0] + 1, heads, dv_dim, dtype=cdt, device=q.device)
+    lse = lse.masked_fill(torch.isneginf(lse), 0.0)
+    for grp in _groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
+        qb, dob, ob = (_kernel_rows(t, grp.q_src, grp.q_pad, cdt, grp.size) for t in (q, dout, out))
+        kb, vb = (_kernel_rows(t, grp.k_src, grp.k_pad, cdt, grp.size) for t in (k, v))
+        lse_b = _kernel_rows(lse[:, :, None], grp.q_src, grp.q_pad, torch.float32, grp.size).squeeze(-1)
+        is_causal, mask = _flash_mask(grp, cdt, q.device)
+        gq, gk, gv = _FLASH_CPU_BWD(
+            dob, qb, kb, vb, ob, lse_b, 0.0, is_causal, attn_mask=mask, scale=qk_scale
+        )
+        dq.index_copy_(0, grp.q_idx, gq.transpose(1, 2).reshape(-1, heads, d))
+        dk.index_copy_(0, grp.k_idx, gk.transpose(1, 2).reshape(-1, heads, d))
+        dv.index_copy_(0, grp.k_idx, gv.transpose(1, 2).reshape(-1, heads, dv_dim))
+    return dq[:-1].to(q.dtype), dk[:-1].to(k.dtype), dv[:-1].to(v.dtype)
 
 
 def _segments(
@@ -419,14 +477,34 @@ def attention_bwd(
     right: int,
     qk_scale: float,
     out_scale: float,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Vectorized backward: ``(dq, dk, dv)`` in the dtypes of ``(q, k, v)``, recomputing the scores.
 
-    ``dout`` is ``[total_q, H, Dv]``; the other arguments are those of :func:`attention_fwd`. Softmax:
-    ``ds = p * (dp - rowsum(p * dp))``; GDPA: ``ds = mask * out_scale * dp * act'(s)``.
+    ``dout`` is ``[total_q, H, Dv]``; the other arguments are those of :func:`attention_fwd`, and ``out`` /
+    ``lse`` its results where the caller kept them. Softmax: ``ds = p * (dp - rowsum(p * dp))``; GDPA:
+    ``ds = mask * out_scale * dp * act'(s)``. Three ways, as the forward's: calls with a short side take the
+    CSR backward (:func:`gem_kernels.attention.cpu_sparse.attention_bwd`); fp32 softmax calls given ``out``
+    and ``lse`` the fused kernel's backward (:func:`_flash_bwd`; not fp64, whose forward LSE was rounded to
+    fp32); the rest the padded batched matmuls.
     """
     cdt = compute_dtype(q)
     softmax = activation == SOFTMAX
+    _, _, lq, lk = _segments(q_offsets, kv_offsets)
+    if q.device.type == "cpu" and lq.numel() and cpu_sparse.applies(int(lq.max()), int(lk.max())):
+        return cpu_sparse.attention_bwd(
+            dout, q, k, v, q_offsets, kv_offsets, activation, left, right, qk_scale, out_scale, cdt
+        )
+    if (
+        softmax
+        and out is not None
+        and lse is not None
+        and cdt == torch.float32
+        and _FLASH_CPU_BWD is not None
+        and _flash_applies(q, v)
+    ):
+        return _flash_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, left, right, qk_scale)
     heads = q.shape[1]
     dq = torch.zeros(heads, q.shape[0] + 1, q.shape[2], dtype=cdt, device=q.device)
     dk = torch.zeros(heads, k.shape[0] + 1, k.shape[2], dtype=cdt, device=q.device)

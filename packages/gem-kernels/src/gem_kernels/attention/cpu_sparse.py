@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from gem_kernels.attention.activations import act_value
+from gem_kernels.attention.activations import act_grad, act_value
 from gem_kernels.memo import ValueMemo
 
 # The CSR path runs when the shorter side of the call (the longest query or the longest key run, whichever is
@@ -72,6 +72,30 @@ def _build_pattern(qo: torch.Tensor, ko: torch.Tensor, left: int, right: int) ->
     first = (ko[:-1] - ko[0])[seq] + lo - crow[:-1]
     col = first[row] + torch.arange(nnz)
     return crow, col, count, row
+
+
+TransposedPattern = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# The backward's key-major view of the same patterns: built once per pattern as well.
+_TRANSPOSED: ValueMemo[TransposedPattern] = ValueMemo(4)
+
+
+def transposed(
+    q_offsets: torch.Tensor, kv_offsets: torch.Tensor, left: int, right: int, total_kv: int
+) -> TransposedPattern:
+    """The visible pairs key-major (the CSR pattern of the scores' transpose): ``crow_t`` ``[total_kv + 1]``,
+    ``col_t`` ``[nnz]`` (each pair's query) and ``perm`` ``[nnz]``, which reorders the query-major values of
+    :func:`pattern` into this order (int64 CPU; memoised by value)."""
+    qo = q_offsets.detach().to("cpu", torch.int64)
+    ko = kv_offsets.detach().to("cpu", torch.int64)
+
+    def make() -> TransposedPattern:
+        _, col, _, row = pattern(qo, ko, left, right)
+        perm = torch.argsort(col, stable=True)  # by key, then by query (rows are already ascending)
+        crow_t = torch.zeros(total_kv + 1, dtype=torch.int64)
+        torch.cumsum(torch.bincount(col, minlength=total_kv), 0, out=crow_t[1:])
+        return crow_t, row.index_select(0, perm), perm
+
+    return _TRANSPOSED.get((qo, ko, left, right, total_kv), make)
 
 
 def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -124,3 +148,60 @@ def attention_fwd(
         o = _csr(crow, col, weights, (total_q, total_kv)) @ vc[:, h]  # [total_q, Dv]; 0 for an empty row
         out[:, h] = o.mul_(scale) if scale is not None else o.mul_(out_scale)
     return out.to(q.dtype), lse
+
+
+def attention_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    activation: str,
+    left: int,
+    right: int,
+    qk_scale: float,
+    out_scale: float,
+    cdt: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of :func:`attention_fwd` over the same CSR pattern: ``(dq, dk, dv)`` in the dtypes of
+    ``(q, k, v)``, contiguous; ``dout`` ``[total_q, H, Dv]``.
+
+    Per head, at the visible pairs only: the scores again (``sampled_addmm``), ``dp = dout v^T`` the same
+    way; softmax ``p = exp(s - lse)`` with the row's log-sum-exp recomputed from the scores (not the saved
+    fp32 one: fp64 stays fp64) and ``ds = p (dp - rowsum(p dp))`` (the row sum over the pattern is
+    ``dout . out`` without needing ``out``); GDPA ``ds = out_scale dp act'(s)``. Then ``dq = ds k``, and
+    ``dk = ds^T q``, ``dv = p^T dout`` through the key-major pattern (:func:`transposed`)."""
+    softmax = activation == "softmax"
+    total_q, heads = q.shape[0], q.shape[1]
+    total_kv = k.shape[0]
+    crow, col, count, row = pattern(q_offsets, kv_offsets, left, right)
+    dq = torch.zeros(total_q, heads, q.shape[2], dtype=cdt)
+    dk = torch.zeros(total_kv, heads, k.shape[2], dtype=cdt)
+    dv = torch.zeros(total_kv, heads, v.shape[2], dtype=cdt)
+    if col.numel() == 0:
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    crow_t, col_t, perm = transposed(q_offsets, kv_offsets, left, right, total_kv)
+    qc, kc, vc, doc = (t.to(cdt) for t in (q, k, v, dout))
+    zeros = torch.zeros(col.numel(), dtype=cdt)
+    for h in range(heads):
+        scores = _csr(crow, col, zeros, (total_q, total_kv))
+        s = torch.sparse.sampled_addmm(scores, qc[:, h], kc[:, h].t(), beta=0.0, alpha=qk_scale).values()
+        dp = torch.sparse.sampled_addmm(scores, doc[:, h], vc[:, h].t(), beta=0.0).values()
+        if softmax:
+            m = torch.segment_reduce(s, "max", lengths=count, unsafe=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            p = s.sub_(m.index_select(0, row)).exp_()
+            denom = torch.segment_reduce(p, "sum", lengths=count, unsafe=True)
+            p.mul_(torch.where(denom > 0, denom, torch.ones_like(denom)).reciprocal_().index_select(0, row))
+            delta = torch.segment_reduce(p * dp, "sum", lengths=count, unsafe=True)  # = dout . out per row
+            ds = dp.sub_(delta.index_select(0, row)).mul_(p)
+            weights = p
+        else:
+            ds = dp.mul_(act_grad(activation, s)).mul_(out_scale)
+            weights = act_value(activation, s).mul_(out_scale)
+        dq[:, h] = (_csr(crow, col, ds, (total_q, total_kv)) @ kc[:, h]).mul_(qk_scale)
+        ds_t, weights_t = ds.index_select(0, perm), weights.index_select(0, perm)
+        dk[:, h] = (_csr(crow_t, col_t, ds_t, (total_kv, total_q)) @ qc[:, h]).mul_(qk_scale)
+        dv[:, h] = _csr(crow_t, col_t, weights_t, (total_kv, total_q)) @ doc[:, h]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

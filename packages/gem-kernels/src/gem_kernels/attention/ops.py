@@ -149,7 +149,7 @@ def _attention_bwd(
             out_scale,
         )
     return cpu.attention_bwd(
-        dout, q, k, v, q_offsets, kv_offsets, activation, left, right, qk_scale, out_scale
+        dout, q, k, v, q_offsets, kv_offsets, activation, left, right, qk_scale, out_scale, out, lse
     )
 
 
