@@ -27,7 +27,7 @@ import functools
 import torch
 from common import timeit
 
-from gem_kernels.attention import cpu, cpu_sparse, reference
+from gem_kernels.attention import cpu, cpu_groups, cpu_sparse, reference
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,7 @@ def _forward_only(q, k, v, dout, qo, ko, act, left, right, mode: str) -> None:
     saved = cpu._FLASH_CPU, cpu_sparse.SHORT_SIDE
     cpu._FLASH_CPU = None if mode == "matmul" else saved[0]
     cpu_sparse.SHORT_SIDE = 10**9 if mode == "csr" else 0
-    cpu._PLANS.clear()
+    cpu_groups.PLANS.clear()
     cpu_sparse._PATTERNS.clear()
     try:
         cpu.attention_fwd(q, k, v, qo, ko, act, left, right, q.shape[2] ** -0.5, 1.0 / 64)

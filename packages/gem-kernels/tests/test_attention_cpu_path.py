@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gem_kernels import gdpa, jagged_flash_attention
-from gem_kernels.attention import cpu, cpu_sparse, reference
+from gem_kernels.attention import cpu, cpu_groups, cpu_sparse, reference
 from gem_kernels.attention.activations import GDPA_ACTIVATIONS
 from gem_kernels.memo import ValueMemo
 
@@ -246,7 +246,7 @@ def test_int32_offsets():
 def test_split_by_score_budget(monkeypatch):
     """A bucket larger than the score budget is split into chunks, with the same results."""
     monkeypatch.setattr(cpu_sparse, "SHORT_SIDE", 0)  # the padded path, whatever the lengths
-    monkeypatch.setattr(cpu, "SCORE_BUDGET", 300)
+    monkeypatch.setattr(cpu_groups, "SCORE_BUDGET", 300)
     calls = _count_groups(monkeypatch)
     _compare([8, 8, 8, 8, 1, 8, 8, 8, 8], None, "softmax", (-1, 0), torch.float64, seed=3)
     # Two buckets, in key order: length 1 (one chunk), then 8 sequences of length 8, each H*8*8 = 128
@@ -281,17 +281,18 @@ def test_autocast_does_not_lower_the_compute_precision(act):
 
 
 def _count_groups(monkeypatch) -> list[int]:
-    """Patch :func:`cpu._group` (called once per Python-level iteration) to record each group's size; the
-    plans are not memoised meanwhile (a second call over the same offsets would reuse the first's groups)."""
-    monkeypatch.setattr(cpu, "_PLANS", ValueMemo(0))
+    """Patch :func:`cpu_groups.make_group` (called once per Python-level iteration) to record each group's
+    size; the plans are not memoised meanwhile (a second call over the same offsets would reuse the first's
+    groups)."""
+    monkeypatch.setattr(cpu_groups, "PLANS", ValueMemo(0))
     calls: list[int] = []
-    real = cpu._group
+    real = cpu_groups.make_group
 
     def counting(members, *args, **kwargs):
         calls.append(int(members.numel()))
         return real(members, *args, **kwargs)
 
-    monkeypatch.setattr(cpu, "_group", counting)
+    monkeypatch.setattr(cpu_groups, "make_group", counting)
     return calls
 
 
@@ -310,7 +311,7 @@ def test_iterations_do_not_grow_with_batch(monkeypatch, cross):
         cpu.attention_bwd(dout, *args)
         counts[b] = len(calls)
         assert sum(calls) == 2 * sum(1 for i, n in enumerate(lq) if n > 0 and (lk or lq)[i] > 0)
-    buckets = int(cpu._bucket_ids(torch.tensor(max(pattern)))) + 1  # bucket ids of lengths 1..64
+    buckets = int(cpu_groups.bucket_ids(torch.tensor(max(pattern)))) + 1  # bucket ids of lengths 1..64
     assert counts[8] == counts[512] <= 2 * buckets**2, counts
 
 

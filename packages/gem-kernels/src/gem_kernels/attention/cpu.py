@@ -1,47 +1,39 @@
 """Vectorized PyTorch path for jagged softmax attention and GDPA, forward and backward (the CPU path).
 
 Same semantics as the per-sequence loops in :mod:`gem_kernels.attention.reference` (which stay the
-oracle), but without a Python loop over the batch: the sequences are grouped into buckets by their query and
-key lengths (:data:`BUCKETS_PER_OCTAVE` buckets per doubling), each group is gathered into padded head-major
-``[H, G, Lq_max, D]`` / ``[H, G, Lk_max, D]`` tensors through index tensors, the masked scores ``[H, G,
-Lq_max, Lk_max]`` are computed by batched matmuls (mask = query valid & key valid & band), and the results are
-scattered back with ``index_copy_``. Within a bucket every length is more than ``2 ** (-1 /
-BUCKETS_PER_OCTAVE)`` of the padded one in each dimension, so the padded work stays within 2x of the valid
-work for 2 buckets per octave; a group whose score tensor would exceed :data:`SCORE_BUDGET` elements is split.
-The number of Python-level iterations is the number of (bucket, chunk) groups: at most ``(2 log2(max_q_len) +
-1) * (2 log2(max_kv_len) + 1)`` buckets, independent of the batch size ``B``.
+oracle), but without a Python loop over the batch. Each call takes one of three ways, the backward as its
+forward: a call with a short side (PMA's seeds, a history's few context keys) runs CSR products over the
+visible pairs (:mod:`gem_kernels.attention.cpu_sparse`); otherwise the sequences are grouped by their query
+and key lengths into padded groups (:mod:`gem_kernels.attention.cpu_groups`, whose padded work stays within
+2x of the valid work and whose Python-level iterations do not grow with the batch size), and each group runs
+PyTorch's fused CPU flash-attention kernel (softmax with ``D == Dv``; its backward in fp32 from the forward's
+``out`` and LSE) or masked batched matmuls on head-major ``[H, G, L, D]`` gathers, scattered back with
+``index_copy_``.
 
 Compute is fp32 (fp64 for fp64 inputs); outputs take the input dtypes, the LSE is fp32.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
 from gem_kernels.attention import cpu_sparse
 from gem_kernels.attention.activations import act_grad, act_value
-from gem_kernels.attention.reference import SOFTMAX, compute_dtype
-from gem_kernels.memo import ValueMemo
-
-# Largest G * H * Lq_max * Lk_max of one group's score tensor (2**26 fp32 elements = 256 MiB); several
-# such temporaries live at once in the backward, so this bounds its peak memory to about 1 GiB. A single
-# sequence longer than the budget still forms its own group (as in the per-sequence loop).
-SCORE_BUDGET = 2**26
-# Buckets per doubling of the length: 2 keeps each dimension's padding under 1.42x (the padded area under
-# 2x) for about twice the groups of power-of-two buckets. Timed at the tiny-model shape (B=256, H=2, D=32,
-# causal, fwd+bwd, 1 thread): 1 -> 31 ms, 2 -> 27, 3 -> 26, 4 -> 26, 8 -> 31 (more groups, more overhead).
-BUCKETS_PER_OCTAVE = 2
-# Upper bounds of the buckets: floor(2 ** (e / BUCKETS_PER_OCTAVE)), deduplicated, up to 2**62.
-_BUCKET_BOUNDS = torch.tensor(
-    sorted({int(2 ** (e / BUCKETS_PER_OCTAVE)) for e in range(62 * BUCKETS_PER_OCTAVE)})
+from gem_kernels.attention.cpu_groups import (
+    Group,
+    flat,
+    gather,
+    gather_rows,
+    groups,
+    head_major,
+    scatter,
+    segments,
 )
-
+from gem_kernels.attention.reference import SOFTMAX, compute_dtype
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -59,178 +51,6 @@ def _without_autocast(
             return fn(first, *args, **kwargs)
 
     return wrapper
-
-
-@dataclass
-class _Group:
-    """One padded group of ``G`` sequences.
-
-    ``q_idx`` ``[G * Lq]`` / ``k_idx`` ``[G * Lk]`` (row-major over ``[G, L]``, on the data's device) index
-    rows of the padded flat tensors; padding positions point at the extra zero row appended at the end.
-    ``q_src`` / ``k_src`` are the same with padding pointing at row 0 (rows of the unpadded tensors), and
-    ``q_pad`` / ``k_pad`` the padding positions, which a gather through them must zero.
-    ``q_len`` / ``k_len`` ``[G]`` int64 CPU are the sequences' lengths, ``left`` / ``right`` the band."""
-
-    size: int
-    lq: int
-    lk: int
-    q_idx: torch.Tensor
-    k_idx: torch.Tensor
-    q_len: torch.Tensor
-    k_len: torch.Tensor
-    left: int
-    right: int
-    q_src: torch.Tensor
-    k_src: torch.Tensor
-    q_pad: torch.Tensor
-    k_pad: torch.Tensor
-
-    @property
-    def has_band(self) -> bool:
-        """Whether a band limits the keys. Without one, GDPA needs no mask: padding rows are the zero row,
-        so a padded key adds ``act(q . 0) * v_pad = 0`` (``v_pad = 0``) to a valid query's output and has
-        ``dp = dout . v_pad = 0``, hence ``ds = 0``; a padded query's values land in the discarded row and its
-        gathered ``dout`` is 0. Softmax still needs the key mask (``exp`` of a padded score is not 0)."""
-        return self.left >= 0 or self.right >= 0
-
-    def band(self) -> torch.Tensor | None:
-        """``[Lq, Lk]`` bool CPU: True where key ``j`` lies in query ``i``'s band (``None``: no band)."""
-        if self.left < 0 and self.right < 0:
-            return None
-        iq, ik = torch.arange(self.lq)[:, None], torch.arange(self.lk)[None, :]
-        band = torch.ones(self.lq, self.lk, dtype=torch.bool)
-        if self.left >= 0:
-            band &= ik >= iq - self.left
-        if self.right >= 0:
-            band &= ik <= iq + self.right
-        return band
-
-    def masked_out(self, device: torch.device) -> torch.Tensor:
-        """``[G, Lq, Lk]`` bool on ``device``: True where key ``j`` is NOT visible from query ``i`` (padding
-        or outside the band)."""
-        q_valid = torch.arange(self.lq)[None, :] < self.q_len[:, None]  # [G, Lq]
-        k_valid = torch.arange(self.lk)[None, :] < self.k_len[:, None]  # [G, Lk]
-        visible = q_valid[:, :, None] & k_valid[:, None, :]
-        band = self.band()
-        if band is not None:
-            visible &= band
-        return (~visible).to(device)
-
-
-def _bucket_ids(n: torch.Tensor) -> torch.Tensor:
-    """Bucket of each length ``n >= 1`` (int64): lengths in one bucket are within a factor
-    ``2 ** (1 / BUCKETS_PER_OCTAVE)`` of the bucket's largest, so padding stays bounded. Exact integers."""
-    return torch.searchsorted(_BUCKET_BOUNDS, n)
-
-
-def _buckets(lq: torch.Tensor, lk: torch.Tensor, heads: int) -> Iterator[torch.Tensor]:
-    """Yield int64 CPU tensors of sequence ids, one per group (sequences with ``Lq == 0`` or ``Lk == 0``
-    are left out: their outputs and gradients are 0). Iterates once per (bucket, chunk)."""
-    active = torch.nonzero((lq > 0) & (lk > 0)).flatten()
-    if active.numel() == 0:
-        return
-    key = _bucket_ids(lq[active]) * _BUCKET_BOUNDS.numel() + _bucket_ids(lk[active])
-    _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
-    order = active[torch.argsort(inverse, stable=True)]
-    for members in torch.split(order, counts.tolist()):
-        per_seq = heads * int(lq[members].max()) * int(lk[members].max())
-        yield from torch.split(members, max(1, SCORE_BUDGET // per_seq))
-
-
-def _group(
-    members: torch.Tensor,
-    q_start: torch.Tensor,
-    k_start: torch.Tensor,
-    lq: torch.Tensor,
-    lk: torch.Tensor,
-    pad_q: int,
-    pad_k: int,
-    left: int,
-    right: int,
-    device: torch.device,
-) -> _Group:
-    """Index tensors of the sequences ``members`` (int64 CPU ``[G]``)."""
-    lqg, lkg = lq[members], lk[members]
-    iq = torch.arange(int(lqg.max()))
-    ik = torch.arange(int(lkg.max()))
-    q_valid = (iq[None, :] < lqg[:, None]).flatten()
-    k_valid = (ik[None, :] < lkg[:, None]).flatten()
-    q_idx = (q_start[members][:, None] + iq[None, :]).flatten()
-    k_idx = (k_start[members][:, None] + ik[None, :]).flatten()
-    return _Group(
-        members.numel(),
-        iq.numel(),
-        ik.numel(),
-        torch.where(q_valid, q_idx, pad_q).to(device),
-        torch.where(k_valid, k_idx, pad_k).to(device),
-        lqg,
-        lkg,
-        left,
-        right,
-        torch.where(q_valid, q_idx, 0).to(device),
-        torch.where(k_valid, k_idx, 0).to(device),
-        torch.nonzero(~q_valid).flatten().to(device),
-        torch.nonzero(~k_valid).flatten().to(device),
-    )
-
-
-# A GEM forward runs two self-attention layers over one history (and training their backwards): their
-# groups are the same; only the band differs, which the groups carry as two ints.
-_PLANS: ValueMemo[list[_Group]] = ValueMemo(4)
-
-
-def _groups(
-    q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor,
-    heads: int,
-    pad_q: int,
-    pad_k: int,
-    left: int,
-    right: int,
-    device: torch.device,
-) -> list[_Group]:
-    """The padded groups of a call (:func:`_buckets`, :func:`_group`), memoised by value of the offsets."""
-    q_start, k_start, lq, lk = _segments(q_offsets, kv_offsets)
-
-    def make() -> list[_Group]:
-        return [
-            _group(members, q_start, k_start, lq, lk, pad_q, pad_k, -1, -1, device)
-            for members in _buckets(lq, lk, heads)
-        ]
-
-    key = (q_start, k_start, lq, lk, heads, pad_q, pad_k, SCORE_BUDGET, str(device))
-    return [dataclasses.replace(g, left=left, right=right) for g in _PLANS.get(key, make)]
-
-
-def _head_major(flat: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """``flat`` ``[N, H, D]`` -> ``[H, N + 1, D]`` in ``cdt``, the last row 0 (the target of padding indices).
-
-    Head-major once per call, so that each group's gather is a contiguous ``[H, G, L, D]`` batch for the
-    matmuls (no per-group transposes)."""
-    out = torch.empty(flat.shape[1], flat.shape[0] + 1, flat.shape[2], dtype=cdt, device=flat.device)
-    out[:, :-1] = flat.transpose(0, 1)
-    out[:, -1] = 0  # only the padding row: zero-filling all of it first was a whole extra pass
-    return out
-
-
-def _gather(flat: torch.Tensor, idx: torch.Tensor, size: int) -> torch.Tensor:
-    """``flat`` ``[H, N+1, D]``, ``idx`` ``[G * L]`` -> ``[H, G, L, D]`` (contiguous)."""
-    # torch's Tensor.unflatten is unannotated (torch/_tensor.py).
-    out: torch.Tensor = flat.index_select(1, idx).unflatten(1, (size, -1))  # type: ignore[no-untyped-call]
-    return out
-
-
-def _scatter(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[:, idx[n]] = src[:, n]`` for ``dst`` ``[H, N+1, ...]`` and ``src`` ``[H, G, L, ...]``.
-
-    Segments never overlap, so each valid row is written once; all padding positions write the extra last
-    row, which is discarded."""
-    dst.index_copy_(1, idx, src.flatten(1, 2))
-
-
-def _flat(padded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[H, N+1, ...]`` head-major -> ``[N, H, ...]`` contiguous in ``dtype`` (the padding row dropped)."""
-    return padded[:, :-1].transpose(0, 1).contiguous().to(dtype)
 
 
 def _probs_(s: torch.Tensor, masked_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,7 +83,7 @@ def _flash_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
     return _FLASH_CPU is not None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
 
 
-def _flash_mask(grp: _Group, dtype: torch.dtype, device: torch.device) -> tuple[bool, torch.Tensor | None]:
+def _flash_mask(grp: Group, dtype: torch.dtype, device: torch.device) -> tuple[bool, torch.Tensor | None]:
     """The fused kernel's masking of one group: ``(is_causal, attn_mask)``, the mask additive (``0`` /
     ``-inf``, the kernel's contract) ``[G or 1, 1, Lq, Lk]`` in ``dtype`` and as small as the group allows:
     none when the band is causal and every sequence has ``Lq == Lk`` (``is_causal`` then); the band ``[Lq,
@@ -286,7 +106,7 @@ def _flash_mask(grp: _Group, dtype: torch.dtype, device: torch.device) -> tuple[
 
 
 def _flash_softmax(
-    qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, grp: _Group, qk_scale: float
+    qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, grp: Group, qk_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one group with the fused kernel: ``qb`` ``[G, H, Lq, D]``, ``kb`` / ``vb``
     ``[G, H, Lk, D]`` (one float dtype, any strides) -> ``out`` ``[G, H, Lq, D]`` (the kernel lays it out
@@ -305,23 +125,12 @@ def _flash_softmax(
     return out, lse
 
 
-def _gather_rows(flat: torch.Tensor, src: torch.Tensor, pad: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """Rows ``src`` of ``flat`` ``[N, H, D]`` (any strides) in ``cdt``, the padding positions ``pad`` zeroed:
-    ``[len(src), H, D]`` contiguous. Straight from the caller's tensors (q, k, v are often strided views of
-    one projection): no copy of the whole of them first. The padding rows are read from row 0 and then
-    zeroed, so whatever row 0 holds (NaN included) never reaches another sequence."""
-    out = flat.index_select(0, src).to(cdt)
-    if pad.numel():
-        out.index_fill_(0, pad, 0)
-    return out
-
-
 def _kernel_rows(
     flat: torch.Tensor, src: torch.Tensor, pad: torch.Tensor, cdt: torch.dtype, size: int
 ) -> torch.Tensor:
-    """A group's rows of ``flat`` ``[N, H, X]`` (:func:`_gather_rows`, ``[size * L, H, X]``) as the fused
+    """A group's rows of ``flat`` ``[N, H, X]`` (:func:`gather_rows`, ``[size * L, H, X]``) as the fused
     kernel takes them: the ``[size, H, L, X]`` view of ``[size, L, H, X]`` memory."""
-    rows = _gather_rows(flat, src, pad, cdt)
+    rows = gather_rows(flat, src, pad, cdt)
     return rows.view(size, -1, *rows.shape[1:]).transpose(1, 2)
 
 
@@ -343,7 +152,7 @@ def _flash_fwd(
     heads, dv = q.shape[1], v.shape[2]
     out = torch.zeros(q.shape[0] + 1, heads, dv, dtype=cdt, device=q.device)
     lse = torch.full((q.shape[0] + 1, heads), float("-inf"), dtype=torch.float32, device=q.device)
-    for grp in _groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
+    for grp in groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
         qb = _kernel_rows(q, grp.q_src, grp.q_pad, cdt, grp.size)
         kb, vb = (_kernel_rows(t, grp.k_src, grp.k_pad, cdt, grp.size) for t in (k, v))
         ob, lse_b = _flash_softmax(qb, kb, vb, grp, qk_scale)
@@ -380,7 +189,7 @@ def _flash_bwd(
     dk = torch.zeros(k.shape[0] + 1, heads, d, dtype=cdt, device=q.device)
     dv = torch.zeros(v.shape[0] + 1, heads, dv_dim, dtype=cdt, device=q.device)
     lse = lse.masked_fill(torch.isneginf(lse), 0.0)
-    for grp in _groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
+    for grp in groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
         qb, dob, ob = (_kernel_rows(t, grp.q_src, grp.q_pad, cdt, grp.size) for t in (q, dout, out))
         kb, vb = (_kernel_rows(t, grp.k_src, grp.k_pad, cdt, grp.size) for t in (k, v))
         lse_b = _kernel_rows(lse[:, :, None], grp.q_src, grp.q_pad, torch.float32, grp.size).squeeze(-1)
@@ -392,14 +201,6 @@ def _flash_bwd(
         dk.index_copy_(0, grp.k_idx, gk.transpose(1, 2).reshape(-1, heads, d))
         dv.index_copy_(0, grp.k_idx, gv.transpose(1, 2).reshape(-1, heads, dv_dim))
     return dq[:-1].to(q.dtype), dk[:-1].to(k.dtype), dv[:-1].to(v.dtype)
-
-
-def _segments(
-    q_offsets: torch.Tensor, kv_offsets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    qo = q_offsets.detach().to("cpu", torch.int64)
-    ko = kv_offsets.detach().to("cpu", torch.int64)
-    return qo[:-1], ko[:-1], qo[1:] - qo[:-1], ko[1:] - ko[:-1]
 
 
 @_without_autocast
@@ -431,7 +232,7 @@ def attention_fwd(
     """
     cdt = compute_dtype(q)
     softmax = activation == SOFTMAX
-    _, _, lq, lk = _segments(q_offsets, kv_offsets)
+    _, _, lq, lk = segments(q_offsets, kv_offsets)
     if q.device.type == "cpu" and lq.numel() and cpu_sparse.applies(int(lq.max()), int(lk.max())):
         return cpu_sparse.attention_fwd(
             q, k, v, q_offsets, kv_offsets, activation, left, right, qk_scale, out_scale, cdt
@@ -442,26 +243,26 @@ def attention_fwd(
     out = torch.zeros(heads, q.shape[0] + 1, v.shape[2], dtype=cdt, device=q.device)
     lse = torch.full((heads, q.shape[0] + 1), float("-inf"), dtype=torch.float32, device=q.device)
     major: list[torch.Tensor] = []  # q, k, v head-major: converted once, only when some sequence attends
-    for grp in _groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
+    for grp in groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
         if not major:
-            major = [_head_major(t, cdt) for t in (q, k, v)]
+            major = [head_major(t, cdt) for t in (q, k, v)]
         qp, kp, vp = major
-        qb = _gather(qp, grp.q_idx, grp.size)  # [H, G, Lq, D]
-        kb, vb = _gather(kp, grp.k_idx, grp.size), _gather(vp, grp.k_idx, grp.size)  # [H, G, Lk, D/Dv]
+        qb = gather(qp, grp.q_idx, grp.size)  # [H, G, Lq, D]
+        kb, vb = gather(kp, grp.k_idx, grp.size), gather(vp, grp.k_idx, grp.size)  # [H, G, Lk, D/Dv]
         if softmax:
             s = (qb @ kb.transpose(-1, -2)).mul_(qk_scale)  # [H, G, Lq, Lk]
             p, lse_b = _probs_(s, grp.masked_out(q.device))
-            _scatter(lse, grp.q_idx, lse_b.float())
+            scatter(lse, grp.q_idx, lse_b.float())
             ob = p @ vb
         else:
             s = (qb @ kb.transpose(-1, -2)).mul_(qk_scale)
             a = act_value(activation, s)
-            if grp.has_band:  # padding needs no mask here: see _Group.has_band
+            if grp.has_band:  # padding needs no mask here: see Group.has_band
                 a.masked_fill_(grp.masked_out(q.device), 0.0)
             ob = (a @ vb).mul_(out_scale)
-        _scatter(out, grp.q_idx, ob)
-    lse = _flat(lse, torch.float32) if softmax else lse.new_empty(0)
-    return _flat(out, q.dtype), lse
+        scatter(out, grp.q_idx, ob)
+    lse = flat(lse, torch.float32) if softmax else lse.new_empty(0)
+    return flat(out, q.dtype), lse
 
 
 @_without_autocast
@@ -491,7 +292,7 @@ def attention_bwd(
     """
     cdt = compute_dtype(q)
     softmax = activation == SOFTMAX
-    _, _, lq, lk = _segments(q_offsets, kv_offsets)
+    _, _, lq, lk = segments(q_offsets, kv_offsets)
     if q.device.type == "cpu" and lq.numel() and cpu_sparse.applies(int(lq.max()), int(lk.max())):
         return cpu_sparse.attention_bwd(
             dout, q, k, v, q_offsets, kv_offsets, activation, left, right, qk_scale, out_scale, cdt
@@ -510,12 +311,12 @@ def attention_bwd(
     dk = torch.zeros(heads, k.shape[0] + 1, k.shape[2], dtype=cdt, device=q.device)
     dv = torch.zeros(heads, v.shape[0] + 1, v.shape[2], dtype=cdt, device=q.device)
     major: list[torch.Tensor] = []  # q, k, v, dout head-major, converted once as in attention_fwd
-    for grp in _groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
+    for grp in groups(q_offsets, kv_offsets, heads, q.shape[0], k.shape[0], left, right, q.device):
         if not major:
-            major = [_head_major(t, cdt) for t in (q, k, v, dout)]
+            major = [head_major(t, cdt) for t in (q, k, v, dout)]
         qp, kp, vp, dop = major
-        qb, dob = _gather(qp, grp.q_idx, grp.size), _gather(dop, grp.q_idx, grp.size)  # [H, G, Lq, D/Dv]
-        kb, vb = _gather(kp, grp.k_idx, grp.size), _gather(vp, grp.k_idx, grp.size)  # [H, G, Lk, D/Dv]
+        qb, dob = gather(qp, grp.q_idx, grp.size), gather(dop, grp.q_idx, grp.size)  # [H, G, Lq, D/Dv]
+        kb, vb = gather(kp, grp.k_idx, grp.size), gather(vp, grp.k_idx, grp.size)  # [H, G, Lk, D/Dv]
         s = (qb @ kb.transpose(-1, -2)).mul_(qk_scale)  # [H, G, Lq, Lk]
         dp = dob @ vb.transpose(-1, -2)  # [H, G, Lq, Lk]
         if softmax:
@@ -530,7 +331,7 @@ def attention_bwd(
                 a.masked_fill_(masked_out, 0.0)
                 ds.masked_fill_(masked_out, 0.0)
             dvb = (a.transpose(-1, -2) @ dob).mul_(out_scale)
-        _scatter(dq, grp.q_idx, (ds @ kb).mul_(qk_scale))
-        _scatter(dk, grp.k_idx, (ds.transpose(-1, -2) @ qb).mul_(qk_scale))
-        _scatter(dv, grp.k_idx, dvb)
-    return _flat(dq, q.dtype), _flat(dk, k.dtype), _flat(dv, v.dtype)
+        scatter(dq, grp.q_idx, (ds @ kb).mul_(qk_scale))
+        scatter(dk, grp.k_idx, (ds.transpose(-1, -2) @ qb).mul_(qk_scale))
+        scatter(dv, grp.k_idx, dvb)
+    return flat(dq, q.dtype), flat(dk, k.dtype), flat(dv, v.dtype)
