@@ -26,8 +26,8 @@ def init_linear(linear: nn.Linear, std: float | None = None) -> None:
 
 
 def init_unless_meta(module: nn.Module, own: Tensor) -> None:
-    """Calls ``module.reset_parameters()`` unless ``own`` (a parameter the module made with ``torch.empty``)
-    lives on the meta device.
+    """Calls ``module.reset_parameters()`` unless ``own`` (a tensor of the module's own, which tells where it
+    was built: the parameter it made with ``torch.empty``, or a buffer) lives on the meta device.
 
     As ``nn.Linear`` does: a module built on a real device is usable at once (a piece lifted into another
     stack has no :meth:`GemModel.init_weights` to fill its uninitialised memory); one built on meta waits

@@ -203,6 +203,13 @@ def _flash_bwd(
     return dq[:-1].to(q.dtype), dk[:-1].to(k.dtype), dv[:-1].to(v.dtype)
 
 
+def _short_side(q: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor) -> bool:
+    """Whether a call on the CPU takes the CSR path (:func:`gem_kernels.attention.cpu_sparse.applies` of its
+    longest query and key runs): the forward and the backward decide alike."""
+    _, _, lq, lk = segments(q_offsets, kv_offsets)
+    return q.device.type == "cpu" and lq.numel() > 0 and cpu_sparse.applies(int(lq.max()), int(lk.max()))
+
+
 @_without_autocast
 def attention_fwd(
     q: torch.Tensor,
@@ -232,8 +239,7 @@ def attention_fwd(
     """
     cdt = compute_dtype(q)
     softmax = activation == SOFTMAX
-    _, _, lq, lk = segments(q_offsets, kv_offsets)
-    if q.device.type == "cpu" and lq.numel() and cpu_sparse.applies(int(lq.max()), int(lk.max())):
+    if _short_side(q, q_offsets, kv_offsets):
         return cpu_sparse.attention_fwd(
             q, k, v, q_offsets, kv_offsets, activation, left, right, qk_scale, out_scale, cdt
         )
@@ -292,8 +298,7 @@ def attention_bwd(
     """
     cdt = compute_dtype(q)
     softmax = activation == SOFTMAX
-    _, _, lq, lk = segments(q_offsets, kv_offsets)
-    if q.device.type == "cpu" and lq.numel() and cpu_sparse.applies(int(lq.max()), int(lk.max())):
+    if _short_side(q, q_offsets, kv_offsets):
         return cpu_sparse.attention_bwd(
             dout, q, k, v, q_offsets, kv_offsets, activation, left, right, qk_scale, out_scale, cdt
         )

@@ -104,6 +104,21 @@ def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tupl
         return torch.sparse_csr_tensor(crow, col, values, size=size, check_invariants=False)
 
 
+def _exp_rows_(
+    s: torch.Tensor, count: torch.Tensor, row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In place over one head's scores at the pattern (``s`` ``[nnz]``, rows of ``count`` values each, ``row``
+    each value's row): ``e = exp(s - m[row])`` with ``m`` the row max, the row sums ``denom`` and their
+    reciprocal ``inv``. A row with no value has ``m = 0``, ``denom = 0`` and ``inv = 1``. Returns
+    ``(e, m, denom, inv)``."""
+    m = torch.segment_reduce(s, "max", lengths=count, unsafe=True)  # -inf for an empty row
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = s.sub_(m.index_select(0, row)).exp_()
+    denom = torch.segment_reduce(e, "sum", lengths=count, unsafe=True)  # 0 for an empty row
+    inv = torch.where(denom > 0, denom, torch.ones_like(denom)).reciprocal_()
+    return e, m, denom, inv
+
+
 def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,12 +152,9 @@ def attention_fwd(
         scores = _csr(crow, col, zeros, (total_q, total_kv))
         s = torch.sparse.sampled_addmm(scores, qc[:, h], kc[:, h].t(), beta=0.0, alpha=qk_scale).values()
         if softmax:
-            m = torch.segment_reduce(s, "max", lengths=count, unsafe=True)  # -inf for an empty row
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            e = s.sub_(m.index_select(0, row)).exp_()
-            denom = torch.segment_reduce(e, "sum", lengths=count, unsafe=True)  # 0 for an empty row
+            e, m, denom, inv = _exp_rows_(s, count, row)
             lse[:, h] = m + torch.log(denom)
-            weights, scale = e, torch.where(denom > 0, denom, torch.ones_like(denom)).reciprocal_()[:, None]
+            weights, scale = e, inv[:, None]
         else:
             weights, scale = act_value(activation, s), None
         o = _csr(crow, col, weights, (total_q, total_kv)) @ vc[:, h]  # [total_q, Dv]; 0 for an empty row
@@ -189,11 +201,8 @@ def attention_bwd(
         s = torch.sparse.sampled_addmm(scores, qc[:, h], kc[:, h].t(), beta=0.0, alpha=qk_scale).values()
         dp = torch.sparse.sampled_addmm(scores, doc[:, h], vc[:, h].t(), beta=0.0).values()
         if softmax:
-            m = torch.segment_reduce(s, "max", lengths=count, unsafe=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            p = s.sub_(m.index_select(0, row)).exp_()
-            denom = torch.segment_reduce(p, "sum", lengths=count, unsafe=True)
-            p.mul_(torch.where(denom > 0, denom, torch.ones_like(denom)).reciprocal_().index_select(0, row))
+            p, _, _, inv = _exp_rows_(s, count, row)
+            p.mul_(inv.index_select(0, row))
             delta = torch.segment_reduce(p * dp, "sum", lengths=count, unsafe=True)  # = dout . out per row
             ds = dp.sub_(delta.index_select(0, row)).mul_(p)
             weights = p
