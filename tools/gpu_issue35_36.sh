@@ -9,8 +9,8 @@
 #                                                     # stops after its step and checkpoints
 #   bash tools/gpu_issue35_36.sh OUT resume SECONDS   # resume the newest run to STEPS (below), test the best-
 #                                                     # validation checkpoint, then time predict on the test split
-#   bash tools/gpu_issue35_36.sh OUT predict SECONDS  # issue 36 alone: predict (eager) on the newest run's newest
-#                                                     # checkpoint within SECONDS, then the inference-mode CUDA tests
+# Issue 36's GPU predict and CUDA tests on this run's newest checkpoint, in the same call after `train`:
+#   bash tools/gpu_predict36.sh OUT 262144 "$(ls -d runs/q35/*/checkpoints/step_* | tail -n 1)"
 # STEPS (GEM35_STEPS, default 6500; the H100 ran ~165 ms a step with validation) and the validation settings
 # are the same in both; GEM35_EXTRA adds settings to both.
 # Each call copies the run's metrics.jsonl / eval.json and its logs to OUT.
@@ -45,17 +45,6 @@ case $PHASE in
           >> "$OUT/predict.log" 2>&1 || echo "predict $extra failed: $?" >> "$OUT/predict.log"
       done
     fi
-    ;;
-  predict)
-    RUN=$(ls -d runs/q35/*/ | tail -n 1)
-    CK=$(ls -d "$RUN"/checkpoints/step_* | tail -n 1)
-    rm -rf /tmp/pred35
-    timeout "$SECS" python3 -m gem_train.cli predict --checkpoint "$CK" --out /tmp/pred35 --split test --no-progress \
-      data.synthetic.eval_examples=262144 > "$OUT/predict.log" 2>&1 || echo "predict failed: $?" >> "$OUT/predict.log"
-    cp /tmp/pred35/*.json "$OUT/" 2>/dev/null
-    timeout 90 python3 -m pytest -q -p no:randomly -p no:cacheprovider packages/gem-model/tests/test_gem_model_gpu.py \
-      packages/gem-kernels/tests/test_attention_schedule.py > "$OUT/tests.log" 2>&1
-    echo "tests rc=$? $(tail -n 1 "$OUT/tests.log")"
     ;;
 esac
 RUN=$(ls -d runs/q35/*/ 2>/dev/null | tail -n 1)

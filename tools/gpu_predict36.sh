@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Issue 36 on one H100/H200: the inference-mode GPU tests, then `gem-train predict` throughput with base-h200
-# (a 2-step checkpoint: weights do not change the speed), eager and --compile.
-# Usage (repository root): bash tools/gpu_predict36.sh OUT [ROWS]
+# (a 2-step checkpoint unless CKPT names one: weights do not change the speed), eager and --compile
+# (GEM36_PREDICT_MODES picks).
+# Usage (repository root): bash tools/gpu_predict36.sh OUT [ROWS] [CKPT]
 set -uo pipefail
-OUT=${1:?usage: bash tools/gpu_predict36.sh OUT [ROWS]}
+OUT=${1:?usage: bash tools/gpu_predict36.sh OUT [ROWS] [CKPT]}
 ROWS=${2:-262144}
+CK=${3:-}
 mkdir -p "$OUT"
 source tools/gpu_env.sh
 export GEM_COMPILE_CACHE=${GEM_COMPILE_CACHE:-/tmp/gem36-compile-cache}
@@ -12,10 +14,12 @@ export GEM_KERNELS_TUNE_CANDIDATES=${GEM_KERNELS_TUNE_CANDIDATES:-1}  # one atte
 timeout 120 python3 -m pytest -q -p no:randomly -p no:cacheprovider \
   packages/gem-model/tests/test_gem_model_gpu.py packages/gem-kernels/tests/test_attention_schedule.py \
   > "$OUT/tests.log" 2>&1; echo "tests rc=$? $(tail -n 1 "$OUT/tests.log")"
-timeout 150 python3 -m gem_train.cli train --config base-h200 train.steps=2 train.compile=false \
-  run.out_dir=/tmp/ck36 train.progress_bar=false train.eval_every=0 checkpoint.every=0 \
-  data.synthetic.eval_examples=2048 > "$OUT/train.log" 2>&1; echo "train rc=$?"
-CK=$(ls -d /tmp/ck36/*/checkpoints/step_* | tail -n 1)
+if [[ -z $CK ]]; then
+  timeout 150 python3 -m gem_train.cli train --config base-h200 train.steps=2 train.compile=false \
+    run.out_dir=/tmp/ck36 train.progress_bar=false train.eval_every=0 checkpoint.every=0 \
+    data.synthetic.eval_examples=2048 > "$OUT/train.log" 2>&1; echo "train rc=$?"
+  CK=$(ls -d /tmp/ck36/*/checkpoints/step_* | tail -n 1)
+fi
 for mode in ${GEM36_PREDICT_MODES:-eager compile}; do  # compile: predict --compile
   extra=""; [[ $mode == compile ]] && extra=--compile
   rm -rf /tmp/pred36
