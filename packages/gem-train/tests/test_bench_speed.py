@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_speed.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("bench_speed", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(Path(__file__).parent))
+from benchmark_scripts import load_benchmark
 
 
 def test_kernel_kinds():
-    kind = _module().kernel_kind
+    kind = load_benchmark("bench_speed").kernel_kind
     assert kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
     assert kind("_rowwise_kernel") == "fp8 / mx quantization"
     assert kind("_tile_quant_kernel") == kind("_tile_amax_kernel") == "fp8 / mx quantization"
@@ -34,7 +28,7 @@ def test_kernel_kinds():
 def test_bench_speed_tiny_cpu(tmp_path):
     """Two recipes, compiled (dynamo's eager backend, to keep it short), 2 steps: every field is there, no
     graph compiled in the steady state, and the table prints (90 s on the loaded 2-core machine)."""
-    rc = _module().main(
+    rc = load_benchmark("bench_speed").main(
         ["--config", "tiny", "--steps", "2", "--distinct", "3", "--backend", "eager", "--out", str(tmp_path)]
     )
     assert rc == 0

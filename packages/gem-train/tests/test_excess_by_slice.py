@@ -3,21 +3,15 @@ slices, and the script reads a trained run's checkpoint end to end."""
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from gem_train.loop.trainer import Trainer
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "excess_by_slice.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("excess_by_slice", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(Path(__file__).parent))
+from benchmark_scripts import load_benchmark
 
 
 def _rows(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -34,7 +28,7 @@ def _rows(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def test_excess_sits_where_the_model_is_worse():
-    mod = _module()
+    mod = load_benchmark("excess_by_slice")
     rng = np.random.default_rng(0)
     d = _rows(2000, rng)
     logit = np.log(d["truth"] / (1 - d["truth"]))
@@ -58,7 +52,7 @@ def test_excess_sits_where_the_model_is_worse():
 def test_script_reads_a_trained_run(tmp_path, small_config):
     Trainer(small_config(tmp_path, "train.steps=2", "checkpoint.every=2")).fit()
     (run_dir,) = (p for p in tmp_path.iterdir() if (p / "config.toml").exists())
-    mod = _module()
+    mod = load_benchmark("excess_by_slice")
     d = mod.collect(run_dir, "step_00000002", "valid", batches=1)
     assert len(d["model"]) == 128 and np.isfinite(d["model"]).all()
     s = mod.summarise(d)

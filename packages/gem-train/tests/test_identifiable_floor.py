@@ -5,9 +5,9 @@ the base rate."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,14 +16,8 @@ import pytest
 from gem_train.config import load_config
 from gem_train.data.synthetic import SyntheticAds, expected_sigmoid
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "identifiable_floor.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("identifiable_floor", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(Path(__file__).parent))
+from benchmark_scripts import load_benchmark
 
 
 def test_expected_sigmoid_quadrature():
@@ -60,7 +54,7 @@ def test_residual_and_its_variance(n_dense):
 
 def test_identifiable_floor_script_tiny_cpu(tmp_path):
     out = tmp_path / "floor.json"
-    res = _module().main(
+    res = load_benchmark("identifiable_floor").main(
         ["--config", "tiny-cpu", "--batches", "2", "--batch-size", "512", "--json", str(out)]
     )
     assert res["rows"] == 1024

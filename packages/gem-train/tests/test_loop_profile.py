@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,15 +9,8 @@ from types import SimpleNamespace
 import torch
 from torch.autograd import DeviceType
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("loop_profile", BENCH / "loop_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("loop_profile", mod)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(Path(__file__).parent))
+from benchmark_scripts import load_benchmark
 
 
 def _event(name, thread, start, end, self_us=None, parent=None, device=DeviceType.CPU):
@@ -30,7 +22,7 @@ def _event(name, thread, start, end, self_us=None, parent=None, device=DeviceTyp
 
 
 def test_host_regions():
-    region = _module().host_region
+    region = load_benchmark("loop_profile").host_region
     assert region("Torch-Compiled Region: 3/0") == region("CompiledFunctionBackward") != "other"
     assert region("gem_kernels::jagged_attention_fwd") == "gem custom ops (eager)"
     assert region("Optimizer.step#AdamW.step") == "optimizer"
@@ -42,7 +34,7 @@ def test_host_regions():
 
 
 def test_host_breakdown_per_thread_launches_and_regions():
-    lp = _module()
+    lp = load_benchmark("loop_profile")
     region = _event("Torch-Compiled Region: 0/0", 1, 0, 1000)
     engine = _event("autograd::engine::evaluate_function: CompiledFunctionBackward", 2, 1000, 3000)
     events = [
@@ -68,7 +60,7 @@ def test_host_breakdown_per_thread_launches_and_regions():
 def test_host_breakdown_of_a_real_cpu_profile():
     """A small model's steps under torch.profiler on the CPU: the optimizer and the eager ops show, the
     top-level time fits in the window, and a CPU run launches nothing."""
-    lp = _module()
+    lp = load_benchmark("loop_profile")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

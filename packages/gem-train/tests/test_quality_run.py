@@ -3,20 +3,14 @@ script on the CPU with two recipes: the per-recipe JSON, the merged JSON and the
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quality_run.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("quality_run", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(Path(__file__).parent))
+from benchmark_scripts import load_benchmark
 
 
 def _rows(step_times: dict[int, float]) -> list[dict]:
@@ -27,7 +21,7 @@ def _rows(step_times: dict[int, float]) -> list[dict]:
 
 
 def test_steady_windows_skip_warmup_and_event_windows():
-    q = _module()
+    q = load_benchmark("quality_run")
     rows = _rows({10: 5.0, 20: 1.0, 30: 3.0, 40: 1.0, 50: 1.1, 60: 2.0})
     # Warm-up 10 steps; an evaluation after step 20 (in window (20, 30]); a checkpoint after step 55 (in
     # (50, 60]).
@@ -39,7 +33,7 @@ def test_steady_windows_skip_warmup_and_event_windows():
 
 
 def test_schedule_defaults():
-    q = _module()
+    q = load_benchmark("quality_run")
     assert q.schedule(2000, None, None, None, 50) == {
         "eval_every": 500,
         "checkpoint_every": 1050,
@@ -65,7 +59,7 @@ def _recipe(name: str, device: str, step_s: float, ne: float) -> dict:
 def test_merge_compares_step_rates_on_one_device_only(tmp_path, fp8_device):
     """Recipes merged from two device sessions compare in NE; their step-rate ratio is left out (None, with
     both devices named) unless both ran on the same device."""
-    q = _module()
+    q = load_benchmark("quality_run")
     for r in (_recipe("bf16", "NVIDIA H200", 0.27, 0.7742), _recipe("fp8_rowwise", fp8_device, 0.33, 0.7746)):
         (tmp_path / r["recipe"]).mkdir()
         (tmp_path / r["recipe"] / q.RECIPE_FILE).write_text(json.dumps(r))
@@ -88,7 +82,8 @@ def test_quality_run_tiny_cpu(tmp_path):
     """Two recipes (one process each), 4 steps of tiny-cpu with one-batch evaluations: NE curves, the floor,
     steady windows and event costs are in the JSON, and the PNG exists (194 s on the loaded 2-core box)."""
     argv = "--config tiny-cpu --steps 4 --eval-every 2 --checkpoint-every 3 --log-every 1 --warmup-steps 1"
-    rc = _module().main([*argv.split(), "--set", "train.eval_batches=1", "--out", str(tmp_path)])
+    extra = ["--set", "train.eval_batches=1", "--out", str(tmp_path)]
+    rc = load_benchmark("quality_run").main([*argv.split(), *extra])
     assert rc == 0
     data = json.loads((tmp_path / "quality.json").read_text())
     assert set(data["recipes"]) == {"bf16", "fp8_rowwise"}
