@@ -255,3 +255,40 @@ def test_compiled_predictions_equal_the_eager_ones(ckpt, tmp_path, monkeypatch):
     np.testing.assert_array_equal(a["row"], b["row"])
     for t in ("ctr", "cvr"):
         np.testing.assert_allclose(b[f"{t}_logit"], a[f"{t}_logit"], rtol=1e-5, atol=1e-6)
+
+
+def test_forwards_kept_in_flight_change_no_row(ckpt, tmp_path, monkeypatch):
+    # On CUDA predict launches the next forward before reading the previous one's outputs; here the same
+    # bookkeeping (rows filed late, a shard written once its last forward is read) runs on the CPU, two
+    # forwards deep, across shards of 20 rows: the same rows, keys, logits and representations.
+    from gem_train.transfer import predict
+
+    cfg = _cfg(tmp_path)
+    kwargs = {"embeddings": True, "train_batches": 3, "shard_rows": 20, "progress": False}
+    now = run_predict(cfg, ckpt, tmp_path / "now", **kwargs)
+    monkeypatch.setattr(predict, "forwards_in_flight", lambda device: 2)
+    late = run_predict(cfg, ckpt, tmp_path / "late", **kwargs)
+    assert late.rows == now.rows == {"train": 48, "valid": 41, "test": 75}
+    assert late.predicted_rows == now.predicted_rows
+    for split in ("train", "valid", "test"):
+        a, b = read_split(tmp_path / "now", split), read_split(tmp_path / "late", split)
+        assert a.keys() == b.keys()
+        for name in a:
+            np.testing.assert_array_equal(b[name], a[name], err_msg=f"{split} {name}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_predictions_equal_the_cpu_ones(ckpt, tmp_path):
+    # The CUDA path keeps a forward in flight and reads its outputs from page-locked memory after an event:
+    # every row once, keys intact, logits and representations as the CPU's (fp32; cuBLAS vs MKL rounding).
+    kwargs = {"embeddings": True, "train_batches": 3, "shard_rows": 20, "progress": False}
+    cpu = run_predict(_cfg(tmp_path), ckpt, tmp_path / "cpu", **kwargs)
+    cfg = small_config(tmp_path / "runs", "run.device=cuda", "data.num_workers=2")
+    gpu = run_predict(cfg, ckpt, tmp_path / "gpu", **kwargs)
+    assert gpu.rows == cpu.rows
+    for split in ("train", "valid", "test"):
+        a, b = read_split(tmp_path / "cpu", split), read_split(tmp_path / "gpu", split)
+        np.testing.assert_array_equal(b["row"], a["row"])
+        np.testing.assert_array_equal(b["user_id"], a["user_id"])
+        for name in ("ctr_logit", "cvr_logit", "embedding"):
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-3, atol=1e-4, err_msg=f"{split} {name}")

@@ -9,7 +9,8 @@ representation (:mod:`gem_train.transfer.representation`). Shards are atomic and
 writes the manifest once every shard exists. The model runs as it was evaluated in training: its precision
 recipe, and bf16 autocast where ``train.autocast`` gives it (CUDA by default), logits read in fp32. On the
 CPU, freed host memory stays in the heap (:mod:`gem_train.transfer.heap`: ~1.25x the forward's rate). Batches
-are forwarded together, :data:`MIN_FORWARD_ROWS` rows at least (a shard's last forward may be shorter).
+are forwarded together, :data:`MIN_FORWARD_ROWS` rows at least (a shard's last forward may be shorter); on
+CUDA the next forward is launched before the previous one's outputs are read (:func:`forwards_in_flight`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +48,7 @@ from gem_train.transfer.prediction_files import (
 from gem_train.transfer.representation import RepresentationCapture
 from gem_train.transfer.rows import SplitPlan, fingerprint, join_columns, split_plan
 
-__all__ = ["PredictResult", "forward_outputs", "run_predict"]
+__all__ = ["InFlightForward", "PredictResult", "forward_outputs", "launch_forward", "run_predict"]
 
 SHARD_ROWS = 65_536  # rows per shard at most (about): one shard is what a rank holds in memory at once
 # A split is cut into at least this many shards where its shards keep MIN_SHARD_ROWS rows (about): shards
@@ -75,17 +77,39 @@ class PredictResult:
     manifest: dict[str, Any]
 
 
+@dataclass
+class InFlightForward:
+    """A forward enqueued on the device, its outputs on their way to the host.
+
+    On CUDA the logits (and representation) are copied device-to-host without blocking into page-locked
+    memory and ``ready`` marks the copy's end on the stream, so the host can build and launch the next
+    forward while this one runs; :meth:`wait` blocks until the host copies are valid. On the CPU the
+    outputs are ready at once (``ready`` is None).
+    """
+
+    logits: torch.Tensor
+    rep: torch.Tensor | None
+    ready: torch.cuda.Event | None
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(logits [B, T] float32, representation [B, D] float32 or None)``, on the host."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        return self.logits, self.rep
+
+
 @torch.inference_mode()
-def forward_outputs(
+def launch_forward(
     model: nn.Module,
     batch: GemBatch,
     tasks: tuple[str, ...],
     device: torch.device,
     autocast_dtype: torch.dtype | None,
     capture: RepresentationCapture | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(logits [B, T] float32, representation [B, D] float32 or None)`` of ``model`` in eval mode on
-    ``batch``, on the host."""
+) -> InFlightForward:
+    """Enqueue ``model``'s eval-mode forward of ``batch`` and the copy of its logits (and representation)
+    to the host; nothing waits for the device (see :class:`InFlightForward`)."""
     ctx = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)
         if autocast_dtype is not None
@@ -96,12 +120,39 @@ def forward_outputs(
     try:
         with ctx:
             out = model(batch.to(device, non_blocking=True))
-        logits = torch.stack([out[t].float() for t in tasks], 1).cpu()
-        rep = capture.take().float().cpu() if capture is not None else None
+        logits = torch.stack([out[t].float() for t in tasks], 1)
+        rep = capture.take().float() if capture is not None else None
     finally:
         if capture is not None:
             capture.enabled = False
-    return logits, rep
+    if device.type != "cuda":
+        return InFlightForward(logits.cpu(), rep.cpu() if rep is not None else None, None)
+    # A non-blocking device-to-host copy lands in page-locked memory: valid once the event has passed.
+    host_logits = logits.to("cpu", non_blocking=True)
+    host_rep = rep.to("cpu", non_blocking=True) if rep is not None else None
+    ready = torch.cuda.Event()
+    ready.record()
+    return InFlightForward(host_logits, host_rep, ready)
+
+
+def forward_outputs(
+    model: nn.Module,
+    batch: GemBatch,
+    tasks: tuple[str, ...],
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+    capture: RepresentationCapture | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logits [B, T] float32, representation [B, D] float32 or None)`` of ``model`` in eval mode on
+    ``batch``, on the host (:func:`launch_forward`, waited for)."""
+    return launch_forward(model, batch, tasks, device, autocast_dtype, capture).wait()
+
+
+def forwards_in_flight(device: torch.device) -> int:
+    """Forwards predict keeps enqueued while the host goes on: on CUDA one, so the host files the previous
+    forward's rows, writes its shard and takes the next batch from the loader (its page-locked copy to the
+    device included) while the device runs this one; on the CPU none (the host is the device)."""
+    return 1 if device.type == "cuda" else 0
 
 
 def _as_is(item: Any) -> Any:
@@ -133,6 +184,7 @@ class _Shard:
     meta: dict[str, Any]
     parts: list[tuple[int, dict[str, np.ndarray], np.ndarray | None]]
     pending: list[tuple[int, GemBatch, dict[str, np.ndarray]]]
+    received: int = 0  # batches handed to this shard by the loader (pending, in flight or done)
 
     @property
     def done(self) -> bool:
@@ -189,28 +241,39 @@ def _plan_shards(
     return todo, found
 
 
-def _flush(
-    shard: _Shard, model: nn.Module, run: Any, capture: RepresentationCapture | None
-) -> tuple[int, float]:
-    """Forward the shard's buffered batches as one; returns (rows, seconds of model time)."""
+@dataclass
+class _Launched:
+    """One forward of a shard's consecutive batches, in flight."""
+
+    shard: _Shard
+    parts: list[tuple[int, GemBatch, dict[str, np.ndarray]]]
+    outputs: InFlightForward
+
+
+def _launch(shard: _Shard, model: nn.Module, run: Any, capture: RepresentationCapture | None) -> _Launched:
+    """Enqueue the forward of the shard's buffered batches as one."""
     parts = shard.pending
     shard.pending = []
     batch = concat_batches([b for _, b, _ in parts])
-    t0 = time.perf_counter()
-    logits, rep = forward_outputs(model, batch, run.tasks, run.device, run.autocast_dtype, capture)
-    seconds = time.perf_counter() - t0
+    outputs = launch_forward(model, batch, run.tasks, run.device, run.autocast_dtype, capture)
+    return _Launched(shard, parts, outputs)
+
+
+def _finish(launched: _Launched, tasks: tuple[str, ...]) -> int:
+    """Wait for a launched forward and file its batches' columns into its shard; returns the rows."""
+    logits, rep = launched.outputs.wait()
     start = 0
-    for number, b, keys in parts:
+    for number, b, keys in launched.parts:
         n = b.batch_size
         lg = logits[start : start + n].numpy()
         cols = dict(keys)
-        for j, task in enumerate(run.tasks):
+        for j, task in enumerate(tasks):
             cols[f"{task}_prob"] = (1.0 / (1.0 + np.exp(-lg[:, j].astype(np.float64)))).astype(np.float32)
             cols[f"{task}_logit"] = lg[:, j].astype(np.float32)
         emb = rep[start : start + n].numpy() if rep is not None else None
-        shard.parts.append((number, cols, emb))
+        launched.shard.parts.append((number, cols, emb))
         start += n
-    return batch.batch_size, seconds
+    return start
 
 
 def _write(out: Path, shard: _Shard) -> dict[str, Any]:
@@ -325,19 +388,32 @@ def run_predict(
         pin_memory=run.device.type == "cuda",
         generator=torch.Generator().manual_seed(0),
     )
+    depth = forwards_in_flight(run.device)
+    in_flight: deque[_Launched] = deque()
     predicted, t0 = 0, time.perf_counter()
+
+    def settle(keep: int) -> None:
+        nonlocal predicted
+        while len(in_flight) > keep:
+            launched = in_flight.popleft()
+            n = _finish(launched, run.tasks)
+            predicted += n
+            bar.update(n)  # the bar shows examples/s
+            shard = launched.shard
+            if shard.done:
+                _write(out, shard)
+                del by_key[(shard.split, shard.index)]
+
     try:
         for split, j, number, batch, keys in loader:
             shard = by_key[(split, j)]
             shard.pending.append((number, batch, keys))
+            shard.received += 1
             buffered = sum(b.batch_size for _, b, _ in shard.pending)
-            if buffered >= chunk or len(shard.parts) + len(shard.pending) == shard.hi - shard.lo:
-                n, _ = _flush(shard, model, run, capture)
-                predicted += n
-                bar.update(n)  # the bar shows examples/s
-            if shard.done:
-                _write(out, shard)
-                del by_key[(split, j)]
+            if buffered >= chunk or shard.received == shard.hi - shard.lo:
+                in_flight.append(_launch(shard, model, run, capture))
+                settle(depth)
+        settle(0)
     finally:
         bar.close()
         if capture is not None:
