@@ -82,6 +82,9 @@ class GemConfig:
             against the history's genre rows); None: no attribute group. Needs ``cross_item_feature``.
         cross_like_action: an earlier event is a "like" when its action id is ``>=`` this (MovieLens: 4, a
             rating of 4 or 5, the label's rule; synthetic data: 1, a click or deeper).
+        cross_recency_events: ``r > 0``: every group is also counted with its events weighted by
+            ``exp(-k / r)`` (``k`` the event's rank from the newest), and each match group's share of the
+            history is added, plain and decayed; 0: off (the statistics as before).
     """
 
     features: FeatureSpec
@@ -119,6 +122,7 @@ class GemConfig:
     cross_item_feature: str | None = None
     cross_attribute_feature: str | None = None
     cross_like_action: int = 1
+    cross_recency_events: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.features, FeatureSpec):
@@ -191,10 +195,15 @@ class GemConfig:
                 f"GemConfig.cross_like_action must be an int in [1, {seq.num_actions - 1}] (an action id of "
                 f"sequence {seq.name!r}, so both likes and others can occur), got {like!r}"
             )
+        r = self.cross_recency_events
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r < float("inf"):
+            raise ValueError(f"GemConfig.cross_recency_events must be a finite number >= 0, got {r!r}")
         attr = self.cross_attribute_feature
         if self.cross_item_feature is None:
             if attr is not None:
                 raise ValueError("GemConfig.cross_attribute_feature needs cross_item_feature")
+            if r:
+                raise ValueError("GemConfig.cross_recency_events needs cross_item_feature")
             return
         self._check_item_feature("cross_item_feature", self.cross_item_feature)
         if attr is None:

@@ -16,6 +16,12 @@ sequence's history (strictly earlier events by the data's contract) and the cand
   synthetic data: a click or deeper); its level is ``action / (num_actions - 1)`` (MovieLens: the rating /
   5). The whole history shrinks towards ``p = q = 0.5``, every match group towards the user's own rates.
 
+With ``GemConfig.cross_recency_events = r > 0`` every group is counted a second time with each event weighted
+by ``exp(-k / r)``, ``k`` its rank from the end of its history (the newest event 0): the same three statistics
+of what the user did lately (a practitioner's exponentially decayed counts), and for each match group, in both
+weightings, its share of the history ``n_g / n_all`` (0 for an empty history): "how much of what this user
+did (lately) was like the candidate", which a product of the log-counts does not give the interaction layers.
+
 The inputs are the history's action ids, item ids and side features and the candidate's ids only: never a
 label of the batch, nothing of another example. The statistics are constants of the data (no gradient);
 :class:`HistoryCrosses` projects them to one more non-sequence token (``Linear(3 G, d)``), so the
@@ -40,10 +46,16 @@ _COUNT_SCALE = 1.0 / 4.0  # log1p(count) / 4: ~1 for ~50 events, the same order 
 
 
 def n_cross_stats(config: GemConfig) -> int:
-    """Width of :func:`history_cross_stats`' output for ``config`` (3 per group; 0 when off)."""
+    """Width of :func:`history_cross_stats`' output for ``config`` (3 per group, and with recency 3 more per
+    group and 2 shares per match group; 0 when off)."""
     if config.cross_item_feature is None:
         return 0
-    return 3 * (2 + int(config.cross_attribute_feature is not None))
+    groups = 2 + int(config.cross_attribute_feature is not None)
+    return _width(groups, config.cross_recency_events > 0)
+
+
+def _width(groups: int, recency: bool) -> int:
+    return 3 * groups + (3 * groups + 2 * (groups - 1) if recency else 0)
 
 
 def history_cross_stats(
@@ -56,9 +68,12 @@ def history_cross_stats(
     num_actions: int,
     event_features: Tensor | None = None,
     candidate_attributes: Tensor | None = None,
+    recency_events: float = 0.0,
 ) -> Tensor:
     """``[B, 3 G]`` float32 statistics (see the module docstring), groups in the order whole history,
-    item, attribute; per group ``(log1p(n) / 4, like rate - 0.5, level - 0.5)``.
+    item, attribute; per group ``(log1p(n) / 4, like rate - 0.5, level - 0.5)``. With ``recency_events``
+    ``> 0``: ``[B, 3 G + 3 G + 2 (G - 1)]``, the decayed groups' statistics after the plain ones, then the
+    match groups' shares, plain then decayed.
 
     ``item_ids``, ``action_ids`` ``[total]`` int64, ``offsets`` ``[B+1]`` int64, ``candidate_items`` ``[B]``
     int64; ``event_features`` ``[total, F]`` and ``candidate_attributes`` ``[B, F]`` float (a multi-hot row of
@@ -76,9 +91,26 @@ def history_cross_stats(
         shared = (event_features.to(torch.float32) * candidate_attributes.to(torch.float32)[owner]).sum(-1)
         weights.append(shared)
     w = torch.stack(weights, dim=1)  # [total, G]
-    per_event = torch.cat([w, w * like[:, None], w * level[:, None]], dim=1)  # [total, 3 G]
+    groups = w.shape[1]
+    if recency_events > 0:
+        # Rank from the end of the event's own history: the newest event 0.
+        rank = (offsets[1:][owner] - 1 - torch.arange(total, device=offsets.device)).to(torch.float32)
+        w = torch.cat([w, w * torch.exp(-rank / recency_events)[:, None]], dim=1)  # [total, 2 G]
+    per_event = torch.cat([w, w * like[:, None], w * level[:, None]], dim=1)  # [total, 3 G']
     sums = per_event.new_zeros(b, per_event.shape[1]).index_add(0, owner, per_event)
-    n, likes, levels = sums.chunk(3, dim=1)  # each [B, G]
+    n, likes, levels = sums.chunk(3, dim=1)  # each [B, G']
+    parts = [_group_stats(n[:, g : g + groups], likes[:, g : g + groups], levels[:, g : g + groups])
+             for g in range(0, n.shape[1], groups)]  # fmt: skip
+    if recency_events > 0:
+        for g in range(0, n.shape[1], groups):  # each match group's share of the history, plain then decayed
+            total_n = n[:, g : g + 1]
+            parts.append(torch.where(total_n > 0, n[:, g + 1 : g + groups] / total_n.clamp_min(1e-12), 0.0))
+    return torch.cat(parts, dim=1)
+
+
+def _group_stats(n: Tensor, likes: Tensor, levels: Tensor) -> Tensor:
+    """``[B, 3 G]`` group-major ``(log1p(n) / 4, rate - 0.5, level - 0.5)`` from per-group sums ``[B, G]``
+    whose first column is the whole history (the match groups shrink towards its rates)."""
     m = CROSS_SMOOTHING
     rate_all = (likes[:, :1] + m * 0.5) / (n[:, :1] + m)
     level_all = (levels[:, :1] + m * 0.5) / (n[:, :1] + m)
@@ -122,6 +154,7 @@ class HistoryCrosses(nn.Module):
         self.sequence, self.num_actions = seq.name, seq.num_actions
         self.num_event_features = seq.num_event_features
         self.like_action = config.cross_like_action
+        self.recency_events = float(config.cross_recency_events)
         self.proj = nn.Linear(n_cross_stats(config), config.d_model, device=device)
 
     def reset_parameters(self) -> None:
@@ -129,7 +162,7 @@ class HistoryCrosses(nn.Module):
         init_linear(self.proj, std=1.0 / math.sqrt(self.proj.in_features))
 
     def stats(self, batch: GemBatch) -> Tensor:
-        """``[B, 3 G]`` float32: the batch's statistics (no gradient: data only)."""
+        """``[B, n_cross_stats(config)]`` float32: the batch's statistics (no gradient: data only)."""
         seq = batch.sequences[self.sequence]
         attributes = None
         if self.attribute_feature is not None:
@@ -142,7 +175,7 @@ class HistoryCrosses(nn.Module):
             seq.item_ids, seq.action_ids, seq.offsets, _candidate_ids(batch, self.item_feature),
             like_action=self.like_action, num_actions=self.num_actions,
             event_features=seq.event_features if attributes is not None else None,
-            candidate_attributes=attributes,
+            candidate_attributes=attributes, recency_events=self.recency_events,
         )  # fmt: skip
 
     def forward(self, batch: GemBatch) -> Tensor:
