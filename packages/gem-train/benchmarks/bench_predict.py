@@ -40,7 +40,7 @@ def _parts(cfg: Any, ckpt: str, rows: int) -> dict[str, float]:
 
     from gem_train.checkpoint import load_checkpoint
     from gem_train.loop.build import build_run
-    from gem_train.transfer.predict import forward_outputs
+    from gem_train.transfer.predict import launch_forward
 
     run = build_run(cfg, training=False)
     load_checkpoint(ckpt, run.model, None, restore_rng=False)
@@ -51,10 +51,10 @@ def _parts(cfg: Any, ckpt: str, rows: int) -> dict[str, float]:
     out = {"data_examples_per_s": n * bs / (time.perf_counter() - t0),
            "data_examples_per_cpu_s": n * bs / (time.process_time() - c0)}  # fmt: skip
     model = run.model.eval()
-    forward_outputs(model, batches[0], run.tasks, torch.device("cpu"), None)  # warm-up
+    launch_forward(model, batches[0], run.tasks, torch.device("cpu"), None).wait()  # warm-up
     t0, c0 = time.perf_counter(), time.process_time()
     for b in batches:
-        forward_outputs(model, b, run.tasks, torch.device("cpu"), None)
+        launch_forward(model, b, run.tasks, torch.device("cpu"), None).wait()
     out["forward_examples_per_s"] = n * bs / (time.perf_counter() - t0)
     out["forward_examples_per_cpu_s"] = n * bs / (time.process_time() - c0)
     return out

@@ -43,7 +43,7 @@ def main() -> None:
     from gem_train.config import load_config
     from gem_train.loop.build import build_run
     from gem_train.transfer.heap import keep_freed_memory
-    from gem_train.transfer.predict import forward_outputs
+    from gem_train.transfer.predict import launch_forward
 
     torch.set_num_threads(1)
     keep_freed_memory()
@@ -62,13 +62,13 @@ def main() -> None:
     with torch.inference_mode():
         for r, c in variants:  # warm-up: plans, memos, the heap
             rowwise.ROW_CHUNK = c
-            forward_outputs(model, batches[r][0], run.tasks, cpu, None)
+            launch_forward(model, batches[r][0], run.tasks, cpu, None).wait()
         for _ in range(args.rounds):
             for r, c in variants:
                 rowwise.ROW_CHUNK = c
                 t0 = time.perf_counter()
                 for b in batches[r]:
-                    forward_outputs(model, b, run.tasks, cpu, None)
+                    launch_forward(model, b, run.tasks, cpu, None).wait()
                 rates[(r, c)].append(len(batches[r]) * r / (time.perf_counter() - t0))
     first = rates[variants[0]]
     print(f"GEM tiny forward, 1 thread, {args.rounds} rounds; {Path(__file__).name}")

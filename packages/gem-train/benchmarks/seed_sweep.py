@@ -70,9 +70,13 @@ def _expected_ne(cfg: Any, run_dir: Path) -> dict[str, float]:
     tell apart are resolved."""
     import excess_by_slice
 
-    batches = cfg.train.eval_batches or -(-cfg.data.synthetic.eval_examples // cfg.data.eval_batch_size)
-    ne = excess_by_slice.summarise(excess_by_slice.collect(run_dir, "best", "test", batches))["expected_ne"]
-    return {"expected_ne": ne["model"], "expected_oracle_ne": ne["oracle"]}
+    ne = excess_by_slice.summarise(excess_by_slice.collect(run_dir, "best", "test", _test_batches(cfg)))
+    return {"expected_ne": ne["expected_ne"]["model"], "expected_oracle_ne": ne["expected_ne"]["oracle"]}
+
+
+def _test_batches(cfg: Any) -> int:
+    """Batches of ``data.eval_batch_size`` rows the trainer evaluates on a synthetic config's test split."""
+    return cfg.train.eval_batches or -(-cfg.data.synthetic.eval_examples // cfg.data.eval_batch_size)
 
 
 def _gbdt_run(config: str, overrides: list[str]) -> dict[str, Any]:
@@ -98,9 +102,8 @@ def _floors(config: str, overrides: list[str]) -> dict[str, Any] | None:
         return None
     import identifiable_floor
 
-    bs, held_out = cfg.data.eval_batch_size, cfg.data.synthetic.eval_examples
-    batches = cfg.train.eval_batches or -(-held_out // bs)
-    res = identifiable_floor.compute(cfg.data.synthetic, batches, bs, "test", cfg.run.seed)
+    bs = cfg.data.eval_batch_size
+    res = identifiable_floor.compute(cfg.data.synthetic, _test_batches(cfg), bs, "test", cfg.run.seed)
     return {"floor_ne": res["floor_ne"], "identifiable_ne": res["identifiable_ne"], "rows": res["rows"]}
 
 

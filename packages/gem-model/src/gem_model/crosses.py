@@ -51,11 +51,7 @@ def n_cross_stats(config: GemConfig) -> int:
     if config.cross_item_feature is None:
         return 0
     groups = 2 + int(config.cross_attribute_feature is not None)
-    return _width(groups, config.cross_recency_events > 0)
-
-
-def _width(groups: int, recency: bool) -> int:
-    return 3 * groups + (3 * groups + 2 * (groups - 1) if recency else 0)
+    return 3 * groups + (3 * groups + 2 * (groups - 1) if config.cross_recency_events > 0 else 0)
 
 
 def history_cross_stats(
@@ -103,8 +99,8 @@ def history_cross_stats(
              for g in range(0, n.shape[1], groups)]  # fmt: skip
     if recency_events > 0:
         for g in range(0, n.shape[1], groups):  # each match group's share of the history, plain then decayed
-            total_n = n[:, g : g + 1]
-            parts.append(torch.where(total_n > 0, n[:, g + 1 : g + groups] / total_n.clamp_min(1e-12), 0.0))
+            # An empty history has n_g = 0 too, so its shares are 0.
+            parts.append(n[:, g + 1 : g + groups] / n[:, g : g + 1].clamp_min(1e-12))
     return torch.cat(parts, dim=1)
 
 

@@ -48,7 +48,7 @@ from gem_train.transfer.prediction_files import (
 from gem_train.transfer.representation import RepresentationCapture
 from gem_train.transfer.rows import SplitPlan, fingerprint, join_columns, split_plan
 
-__all__ = ["InFlightForward", "PredictResult", "forward_outputs", "launch_forward", "run_predict"]
+__all__ = ["InFlightForward", "PredictResult", "launch_forward", "run_predict"]
 
 SHARD_ROWS = 65_536  # rows per shard at most (about): one shard is what a rank holds in memory at once
 # A split is cut into at least this many shards where its shards keep MIN_SHARD_ROWS rows (about): shards
@@ -109,7 +109,8 @@ def launch_forward(
     capture: RepresentationCapture | None = None,
 ) -> InFlightForward:
     """Enqueue ``model``'s eval-mode forward of ``batch`` and the copy of its logits (and representation)
-    to the host; nothing waits for the device (see :class:`InFlightForward`)."""
+    to the host; nothing waits for the device (see :class:`InFlightForward`). ``.wait()`` on the result gives
+    ``(logits [B, T] float32, representation [B, D] float32 or None)`` on the host."""
     ctx = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)
         if autocast_dtype is not None
@@ -133,19 +134,6 @@ def launch_forward(
     ready = torch.cuda.Event()
     ready.record()
     return InFlightForward(host_logits, host_rep, ready)
-
-
-def forward_outputs(
-    model: nn.Module,
-    batch: GemBatch,
-    tasks: tuple[str, ...],
-    device: torch.device,
-    autocast_dtype: torch.dtype | None,
-    capture: RepresentationCapture | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(logits [B, T] float32, representation [B, D] float32 or None)`` of ``model`` in eval mode on
-    ``batch``, on the host (:func:`launch_forward`, waited for)."""
-    return launch_forward(model, batch, tasks, device, autocast_dtype, capture).wait()
 
 
 def forwards_in_flight(device: torch.device) -> int:

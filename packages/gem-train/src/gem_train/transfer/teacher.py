@@ -199,7 +199,7 @@ class LiveTeacher:
 
     def logits(self, batch: Any) -> torch.Tensor:
         """``[B, T]`` float32 teacher logits of ``batch`` (a raw batch of the student's data), on the host."""
-        from gem_train.transfer.predict import forward_outputs
+        from gem_train.transfer.predict import launch_forward
 
-        logits, _ = forward_outputs(self.model, batch, self.tasks, self.device, self.autocast)
+        logits, _ = launch_forward(self.model, batch, self.tasks, self.device, self.autocast).wait()
         return logits.clone()  # a normal tensor (inference-mode tensors cannot be saved for backward)
